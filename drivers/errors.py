@@ -1,0 +1,64 @@
+"""The one error tree of ``drivers``.
+
+::
+
+    DriverError
+    ├── DriverConfigError        the spec is wrong (bad DBC, bad register map): the user's fault
+    ├── CanError                 the CAN side failed at run time
+    │   └── CanBusError          bus error, bus-off, vanished interface (we reconnect)
+    ├── ModbusError              a Modbus request failed
+    │   ├── ModbusTimeout        no reply in time (also a ``TimeoutError``)
+    │   ├── ModbusConnectionError  cannot reach the port (also a ``ConnectionError``)
+    │   └── ModbusExceptionResponse  the unit answered with an exception code
+    └── ReplayError              a capture file cannot be read
+
+Foreign exceptions (``can.CanError``, ``pymodbus.ModbusException``, ``OSError`` from a
+serial port ...) are turned into these at the boundary of each driver.
+"""
+
+
+class DriverError(Exception):
+    """Root of every error raised by ``drivers``."""
+
+
+class DriverConfigError(DriverError):
+    """A driver spec cannot be used: a DBC that does not parse, an impossible register map."""
+
+
+class CanError(DriverError):
+    """A CAN interface failed at run time."""
+
+
+class CanBusError(CanError):
+    """Bus error, bus-off or an interface that went away; the reader reconnects."""
+
+
+class ModbusError(DriverError):
+    """A Modbus request failed. ``unit`` and ``address`` say where."""
+
+    def __init__(self, message: str, *, unit: int | None = None, address: int | None = None):
+        super().__init__(message)
+        self.unit = unit
+        self.address = address
+
+
+class ModbusTimeout(ModbusError, TimeoutError):
+    """The unit did not answer within the timeout."""
+
+
+class ModbusConnectionError(ModbusError, ConnectionError):
+    """The port (TCP endpoint or serial device) cannot be reached."""
+
+
+class ModbusExceptionResponse(ModbusError):
+    """The unit answered with a Modbus exception code (e.g. 2 = illegal data address)."""
+
+    def __init__(
+        self, message: str, *, code: int, unit: int | None = None, address: int | None = None
+    ):
+        super().__init__(message, unit=unit, address=address)
+        self.code = code
+
+
+class ReplayError(DriverError):
+    """A capture file is missing, unreadable or of an unknown format."""

@@ -1,0 +1,100 @@
+"""Register words <-> values for every type and word/byte order. Pure, no I/O.
+
+Orders name the byte layout of a 32-bit value whose big-endian bytes are ``A B C D``:
+
+=====  ==========================  ==========================
+order  registers on the wire        meaning
+=====  ==========================  ==========================
+ABCD   ``AB CD``                    big-endian (the Modbus default)
+CDAB   ``CD AB``                    words swapped ("word swap", many PLCs)
+BADC   ``BA DC``                    bytes swapped inside each word
+DCBA   ``DC BA``                    fully little-endian
+=====  ==========================  ==========================
+
+The same two switches (reverse word order, swap bytes in a word) apply to 16- and 64-bit
+values, so ``CDAB`` on a float64 ``A..H`` is ``GH EF CD AB``.
+"""
+
+import struct
+from collections.abc import Sequence
+
+from drivers.specs import RegisterSpec, RegisterType, WordOrder
+
+_STRUCT: dict[RegisterType, str] = {
+    "int16": ">h",
+    "uint16": ">H",
+    "int32": ">i",
+    "uint32": ">I",
+    "int64": ">q",
+    "uint64": ">Q",
+    "float32": ">f",
+    "float64": ">d",
+}
+
+
+def _words_swapped(order: WordOrder) -> bool:
+    return order in ("CDAB", "DCBA")
+
+
+def _bytes_swapped(order: WordOrder) -> bool:
+    return order in ("BADC", "DCBA")
+
+
+def _to_wire(big_endian: bytes, order: WordOrder) -> list[int]:
+    words = [big_endian[i : i + 2] for i in range(0, len(big_endian), 2)]
+    if _words_swapped(order):
+        words.reverse()
+    if _bytes_swapped(order):
+        words = [w[::-1] for w in words]
+    return [int.from_bytes(w, "big") for w in words]
+
+
+def _from_wire(registers: Sequence[int], order: WordOrder) -> bytes:
+    words = [r.to_bytes(2, "big") for r in registers]
+    if _bytes_swapped(order):
+        words = [w[::-1] for w in words]
+    if _words_swapped(order):
+        words.reverse()
+    return b"".join(words)
+
+
+def decode_raw(spec: RegisterSpec, registers: Sequence[int]) -> float:
+    """The raw (unscaled) value of ``spec`` from exactly ``spec.width`` register words."""
+    if len(registers) != spec.width:
+        raise ValueError(f"{spec.name}: expected {spec.width} registers, got {len(registers)}")
+    if spec.type == "bool":
+        return float((registers[0] >> spec.bit) & 1)
+    if spec.type == "bitfield":
+        return float((registers[0] >> spec.bit) & ((1 << spec.bits) - 1))
+    (value,) = struct.unpack(_STRUCT[spec.type], _from_wire(registers, spec.order))
+    return float(value)
+
+
+def decode(spec: RegisterSpec, registers: Sequence[int]) -> float:
+    """The scaled value: ``raw * scale + offset``."""
+    return decode_raw(spec, registers) * spec.scale + spec.offset
+
+
+def encode_raw(spec: RegisterSpec, raw: float) -> list[int]:
+    """Register words that :func:`decode_raw` turns back into ``raw``.
+
+    Integer types round to the nearest integer and raise ``ValueError`` when it does not
+    fit, so a simulator never writes a silently wrapped value.
+    """
+    if spec.type in ("bool", "bitfield"):
+        width = 1 if spec.type == "bool" else spec.bits
+        field = round(raw)
+        if not 0 <= field < (1 << width):
+            raise ValueError(f"{spec.name}: {raw} does not fit in {width} bit(s)")
+        return [field << spec.bit]
+    fmt = _STRUCT[spec.type]
+    try:
+        packed = struct.pack(fmt, raw if spec.type.startswith("float") else round(raw))
+    except (struct.error, OverflowError) as exc:
+        raise ValueError(f"{spec.name}: {raw} does not fit in {spec.type}") from exc
+    return _to_wire(packed, spec.order)
+
+
+def encode(spec: RegisterSpec, value: float) -> list[int]:
+    """Register words for a scaled ``value`` (inverse of :func:`decode`)."""
+    return encode_raw(spec, (value - spec.offset) / spec.scale)

@@ -1,0 +1,8 @@
+"""The EdgeFleet device agent: config, perception, and the service that wires the stages."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("edgefleet")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0.0.0+unknown"

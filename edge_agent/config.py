@@ -1,0 +1,480 @@
+"""The agent's TOML config: schema, validation with exact errors, and conversion to specs.
+
+One file per agent (``/etc/edge-agent/agent.toml``). :func:`load_config` reports *every*
+problem it finds, each naming the key path, the bad value and what was expected::
+
+    sources.modbus[0].registers[3].type: expected one of 'bool', 'int16', ...; got 'int33'
+
+Types are strict (TOML has real types: ``port = "502"`` is an error, not a guess) and
+unknown keys are rejected, so a typo never silently falls back to a default. Relative file
+paths (a DBC, a capture) are resolved against the config file's folder.
+"""
+
+from __future__ import annotations
+
+import socket
+import tomllib
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from drivers.specs import (
+    REGISTER_WIDTH,
+    CanSpec,
+    ModbusSpec,
+    RegisterFunction,
+    RegisterSpec,
+    RegisterType,
+    ReplaySpec,
+    WordOrder,
+)
+from edge_agent.errors import ConfigError
+from edge_agent.perception import Interpolation, PerceptionSpec
+
+#: Refuse config files larger than this before parsing them.
+MAX_CONFIG_BYTES = 1 << 20
+
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+PositiveMs = Annotated[int, Field(gt=0, le=3_600_000)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class AgentSection(_Model):
+    """Who this agent is and where it keeps its state."""
+
+    device: Name = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "edge")
+    site: Name = "default"
+    device_type: Name = "generic"
+    state_dir: str = "/var/lib/edge-agent"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    stats_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
+
+
+class PerceptionSection(_Model):
+    signals: Annotated[list[Name], Field(min_length=1, max_length=1024)]
+    rate_hz: Annotated[float, Field(gt=0, le=10_000)] = 100.0
+    window: Annotated[int, Field(ge=1, le=100_000)] = 64
+    hop: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    interpolation: Interpolation = "hold"
+    max_staleness_ms: Annotated[float, Field(gt=0, le=3_600_000)] = 200.0
+    lateness_ms: Annotated[float, Field(ge=0, le=60_000)] = 20.0
+    max_catch_up_windows: Annotated[int, Field(ge=1, le=10_000)] = 16
+    queue_size: Annotated[int, Field(ge=16, le=10_000_000)] = 65_536
+
+
+class RegisterSection(_Model):
+    name: Name
+    address: Annotated[int, Field(ge=0, le=65_535)]
+    function: RegisterFunction = "holding"
+    type: RegisterType = "uint16"
+    order: WordOrder = "ABCD"
+    unit: Annotated[int, Field(ge=0, le=255)] | None = None
+    scale: float = 1.0
+    offset: float = 0.0
+    deadband: Annotated[float, Field(ge=0)] = 0.0
+    poll_ms: PositiveMs | None = None
+    bit: Annotated[int, Field(ge=0, le=15)] = 0
+    bits: Annotated[int, Field(ge=1, le=16)] = 1
+
+
+class ModbusSection(_Model):
+    name: Name
+    transport: Literal["tcp", "rtu"] = "tcp"
+    host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
+    port: Annotated[int, Field(ge=1, le=65_535)] = 502
+    device: str = ""
+    baudrate: Annotated[int, Field(ge=300, le=4_000_000)] = 19_200
+    parity: Literal["N", "E", "O"] = "E"
+    stopbits: Literal[1, 2] = 1
+    bytesize: Literal[7, 8] = 8
+    unit: Annotated[int, Field(ge=0, le=255)] = 1
+    poll_ms: PositiveMs = 100
+    timeout_ms: PositiveMs = 500
+    max_gap: Annotated[int, Field(ge=0, le=120)] = 8
+    max_registers: Annotated[int, Field(ge=1, le=125)] = 120
+    backoff_min_ms: PositiveMs = 500
+    backoff_max_ms: PositiveMs = 30_000
+    heartbeat_ms: PositiveMs = 1_000
+    registers: Annotated[list[RegisterSection], Field(min_length=1)]
+
+
+class CanSection(_Model):
+    name: Name
+    interface: Annotated[str, Field(min_length=1)]
+    channel: Annotated[str, Field(min_length=1)]
+    dbc: Annotated[str, Field(min_length=1)]
+    bitrate: Annotated[int, Field(ge=1_000, le=8_000_000)] | None = None
+    options: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    signals: list[Name] = Field(default_factory=list)
+    prefix: str = ""
+    recv_timeout_ms: PositiveMs = 200
+    backoff_min_ms: PositiveMs = 100
+    backoff_max_ms: PositiveMs = 30_000
+
+
+class ReplaySection(_Model):
+    name: Name
+    path: Annotated[str, Field(min_length=1)]
+    dbc: Annotated[str, Field(min_length=1)]
+    speed: Annotated[float, Field(ge=0, le=1000)] = 1.0
+    loop: bool = False
+    signals: list[Name] = Field(default_factory=list)
+    prefix: str = ""
+
+
+class SourcesSection(_Model):
+    modbus: list[ModbusSection] = Field(default_factory=list)
+    can: list[CanSection] = Field(default_factory=list)
+    replay: list[ReplaySection] = Field(default_factory=list)
+
+
+class AgentConfigModel(_Model):
+    """The whole file. Field docs live in ``examples/agent.toml``."""
+
+    agent: AgentSection = Field(default_factory=AgentSection)
+    perception: PerceptionSection
+    sources: SourcesSection
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """A validated config, already turned into what each part consumes."""
+
+    path: Path
+    agent: AgentSection
+    perception: PerceptionSpec
+    queue_size: int
+    sources: tuple[ModbusSpec | CanSpec | ReplaySpec, ...]
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path) -> AgentConfig:
+    """Read, validate and convert ``path``. Raises :class:`ConfigError` listing every error."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                str(p), [f"file is {size} bytes; expected at most {MAX_CONFIG_BYTES}"]
+            )
+        text = p.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(p), ["file not found"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(p), [f"not UTF-8 text: {exc.reason} at byte {exc.start}"]) from None
+    except OSError as exc:
+        raise ConfigError(str(p), [f"cannot read: {exc.strerror}"]) from None
+    return parse_config(text, source=str(p), base_dir=p.parent)
+
+
+def parse_config(
+    text: str, *, source: str = "<config>", base_dir: Path | None = None
+) -> AgentConfig:
+    """Validate TOML ``text``; relative paths resolve against ``base_dir`` (default: cwd)."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(source, [f"not valid TOML: {exc}"]) from None
+    try:
+        model = AgentConfigModel.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(source, [_format(e) for e in exc.errors()]) from None
+    base = base_dir if base_dir is not None else Path.cwd()
+    errors = _check(model, base)
+    if errors:
+        raise ConfigError(source, errors)
+    return _convert(model, Path(source), base)
+
+
+# -- error messages -------------------------------------------------------------------------
+
+
+def _path(loc: Sequence[int | str]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def _format(err: Any) -> str:
+    loc = tuple(err["loc"])
+    path = _path(loc)
+    kind = err["type"]
+    value = err.get("input")
+    ctx = err.get("ctx") or {}
+    if kind == "missing":
+        return f"{path}: required key is missing"
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(loc[:-1])
+        hint = f"; expected one of: {', '.join(allowed)}" if allowed else ""
+        return f"{path}: unknown key{hint}"
+    if kind == "literal_error":
+        return f"{path}: expected one of {ctx.get('expected')}; got {value!r}"
+    msg = str(err["msg"])
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    elif msg.startswith("Input should be "):
+        msg = "expected " + msg[len("Input should be ") :]
+    elif msg.startswith("String should "):
+        msg = "expected a string that should " + msg[len("String should ") :]
+    elif msg.startswith("List should "):
+        msg = "expected a list that should " + msg[len("List should ") :]
+    return f"{path}: {msg}; got {_show(value)}"
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _allowed_keys(loc: Sequence[int | str]) -> list[str]:
+    """The keys allowed at ``loc``, found by walking the schema; [] if it cannot tell."""
+    node: Any = AgentConfigModel
+    for part in loc:
+        node = _unwrap(node)
+        if isinstance(part, int):
+            args = typing.get_args(node)
+            if not args:
+                return []
+            node = args[0]
+        elif isinstance(node, type) and issubclass(node, BaseModel):
+            field = node.model_fields.get(part)
+            if field is None:
+                return []
+            node = field.annotation
+        else:
+            return []
+    node = _unwrap(node)
+    if isinstance(node, type) and issubclass(node, BaseModel):
+        return list(node.model_fields)
+    return []
+
+
+def _unwrap(node: Any) -> Any:
+    """Strip ``Annotated`` and ``X | None`` down to the model or list type inside."""
+    while True:
+        origin = typing.get_origin(node)
+        if origin is Annotated:
+            node = typing.get_args(node)[0]
+        elif origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(node) if a is not type(None)]
+            node = args[0]
+        else:
+            return node
+
+
+# -- checks across keys ---------------------------------------------------------------------
+
+
+def _check(model: AgentConfigModel, base: Path) -> list[str]:
+    errors: list[str] = []
+    src = model.sources
+    if not (src.modbus or src.can or src.replay):
+        errors.append("sources: no source configured; expected at least one of modbus, can, replay")
+
+    names: dict[str, str] = {}
+    named: list[tuple[str, Sequence[ModbusSection | CanSection | ReplaySection]]] = [
+        ("modbus", src.modbus),
+        ("can", src.can),
+        ("replay", src.replay),
+    ]
+    for kind, items in named:
+        for i, item in enumerate(items):
+            where = f"sources.{kind}[{i}].name"
+            if item.name in names:
+                errors.append(f"{where}: {item.name!r} is already used by {names[item.name]}")
+            else:
+                names[item.name] = where
+
+    produced: dict[str, str] = {}
+    open_ended = False  # a CAN/replay source without a signal list may produce anything
+    for i, mb in enumerate(src.modbus):
+        at = f"sources.modbus[{i}]"
+        if mb.transport == "rtu" and not mb.device:
+            errors.append(f"{at}.device: required for transport 'rtu'; got ''")
+        if mb.backoff_min_ms > mb.backoff_max_ms:
+            errors.append(
+                f"{at}.backoff_min_ms: expected at most backoff_max_ms ({mb.backoff_max_ms}); "
+                f"got {mb.backoff_min_ms}"
+            )
+        for j, reg in enumerate(mb.registers):
+            rat = f"{at}.registers[{j}]"
+            errors.extend(_check_register(reg, rat))
+            if reg.name in produced:
+                errors.append(
+                    f"{rat}.name: {reg.name!r} is already produced by {produced[reg.name]}"
+                )
+            else:
+                produced[reg.name] = rat
+    decoded: list[tuple[str, Sequence[CanSection | ReplaySection]]] = [
+        ("can", src.can),
+        ("replay", src.replay),
+    ]
+    for kind, decoders in decoded:
+        for i, item in enumerate(decoders):
+            at = f"sources.{kind}[{i}]"
+            dbc = _resolve(item.dbc, base)
+            if not dbc.is_file():
+                errors.append(f"{at}.dbc: file not found: {str(dbc)!r}")
+            if isinstance(item, ReplaySection) and not _resolve(item.path, base).is_file():
+                errors.append(f"{at}.path: file not found: {str(_resolve(item.path, base))!r}")
+            if isinstance(item, CanSection) and item.backoff_min_ms > item.backoff_max_ms:
+                errors.append(
+                    f"{at}.backoff_min_ms: expected at most backoff_max_ms "
+                    f"({item.backoff_max_ms}); got {item.backoff_min_ms}"
+                )
+            if not item.signals:
+                open_ended = True
+            for sig in item.signals:
+                full = item.prefix + sig
+                if full in produced:
+                    errors.append(f"{at}.signals: {full!r} is already produced by {produced[full]}")
+                else:
+                    produced[full] = f"{at}.signals"
+
+    per = model.perception
+    hop = per.hop if per.hop is not None else per.window
+    if hop > per.window:
+        errors.append(f"perception.hop: expected at most window ({per.window}); got {hop}")
+    if 1e9 / per.rate_hz != int(1e9 / per.rate_hz):
+        errors.append(
+            f"perception.rate_hz: expected a rate with a whole number of ns per step "
+            f"(e.g. 50, 100, 200, 1000); got {per.rate_hz}"
+        )
+    seen: set[str] = set()
+    for k, sig in enumerate(per.signals):
+        if sig in seen:
+            errors.append(f"perception.signals[{k}]: {sig!r} is listed twice")
+        seen.add(sig)
+        if sig not in produced and not open_ended:
+            known = ", ".join(sorted(produced)) or "none"
+            errors.append(
+                f"perception.signals[{k}]: {sig!r} is produced by no source; known: {known}"
+            )
+    return errors
+
+
+def _check_register(reg: RegisterSection, at: str) -> list[str]:
+    errors: list[str] = []
+    bit_function = reg.function in ("coil", "discrete_input")
+    if bit_function and reg.type != "bool":
+        errors.append(f"{at}.type: expected 'bool' for function {reg.function!r}; got {reg.type!r}")
+    width = 1 if bit_function else REGISTER_WIDTH[reg.type]
+    if reg.address + width > 65_536:
+        errors.append(
+            f"{at}.address: {reg.type} needs {width} registers, past the end at 65535; "
+            f"got {reg.address}"
+        )
+    if reg.type == "bitfield" and reg.bit + reg.bits > 16:
+        errors.append(f"{at}.bits: expected bit + bits <= 16; got bit={reg.bit}, bits={reg.bits}")
+    if reg.scale == 0:
+        errors.append(f"{at}.scale: expected a non-zero factor; got 0")
+    return errors
+
+
+def _resolve(path: str, base: Path) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else base / p
+
+
+# -- conversion -----------------------------------------------------------------------------
+
+
+def _convert(model: AgentConfigModel, path: Path, base: Path) -> AgentConfig:
+    per = model.perception
+    sources: list[ModbusSpec | CanSpec | ReplaySpec] = []
+    for mb in model.sources.modbus:
+        regs = tuple(
+            RegisterSpec(
+                name=r.name,
+                address=r.address,
+                function=r.function,
+                type=r.type,
+                order=r.order,
+                unit=r.unit if r.unit is not None else mb.unit,
+                scale=r.scale,
+                offset=r.offset,
+                deadband=r.deadband,
+                poll_ms=r.poll_ms if r.poll_ms is not None else mb.poll_ms,
+                bit=r.bit,
+                bits=r.bits,
+            )
+            for r in mb.registers
+        )
+        sources.append(
+            ModbusSpec(
+                name=mb.name,
+                transport=mb.transport,
+                host=mb.host,
+                port=mb.port,
+                device=mb.device,
+                baudrate=mb.baudrate,
+                parity=mb.parity,
+                stopbits=mb.stopbits,
+                bytesize=mb.bytesize,
+                timeout_ms=mb.timeout_ms,
+                max_gap=mb.max_gap,
+                max_registers=mb.max_registers,
+                backoff_min_ms=mb.backoff_min_ms,
+                backoff_max_ms=mb.backoff_max_ms,
+                heartbeat_ms=mb.heartbeat_ms,
+                registers=regs,
+            )
+        )
+    for can in model.sources.can:
+        sources.append(
+            CanSpec(
+                name=can.name,
+                interface=can.interface,
+                channel=can.channel,
+                dbc=_resolve(can.dbc, base),
+                bitrate=can.bitrate,
+                options=dict(can.options),
+                signals=tuple(can.signals),
+                prefix=can.prefix,
+                recv_timeout_ms=can.recv_timeout_ms,
+                backoff_min_ms=can.backoff_min_ms,
+                backoff_max_ms=can.backoff_max_ms,
+            )
+        )
+    for rp in model.sources.replay:
+        sources.append(
+            ReplaySpec(
+                name=rp.name,
+                path=_resolve(rp.path, base),
+                dbc=_resolve(rp.dbc, base),
+                speed=rp.speed,
+                loop=rp.loop,
+                signals=tuple(rp.signals),
+                prefix=rp.prefix,
+            )
+        )
+    return AgentConfig(
+        path=path,
+        agent=model.agent,
+        perception=PerceptionSpec(
+            signals=tuple(per.signals),
+            rate_hz=per.rate_hz,
+            window=per.window,
+            hop=per.hop if per.hop is not None else per.window,
+            interpolation=per.interpolation,
+            max_staleness_ms=per.max_staleness_ms,
+            lateness_ms=per.lateness_ms,
+            max_catch_up_windows=per.max_catch_up_windows,
+        ),
+        queue_size=per.queue_size,
+        sources=tuple(sources),
+    )

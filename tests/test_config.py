@@ -1,0 +1,226 @@
+"""Config: a good file converts to driver specs; every kind of bad input gets its exact error."""
+
+from pathlib import Path
+
+import pytest
+
+from drivers.specs import CanSpec, ModbusSpec
+from edge_agent.config import load_config, parse_config
+from edge_agent.errors import ConfigError
+
+DATA = Path(__file__).parent / "data"
+
+GOOD = """
+[agent]
+device = "gw-1"
+site = "plant-a"
+
+[perception]
+signals = ["voltage", "speed"]
+rate_hz = 100
+window = 64
+
+[[sources.modbus]]
+name = "drive"
+host = "127.0.0.1"
+port = 5020
+unit = 2
+poll_ms = 50
+
+[[sources.modbus.registers]]
+name = "voltage"
+address = 0
+function = "input"
+type = "float32"
+order = "CDAB"
+scale = 0.1
+
+[[sources.modbus.registers]]
+name = "status"
+address = 10
+type = "bitfield"
+bit = 4
+bits = 3
+unit = 7
+poll_ms = 1000
+
+[[sources.can]]
+name = "bus"
+interface = "virtual"
+channel = "demo"
+dbc = "mini.dbc"
+signals = ["speed"]
+"""
+
+
+def parse(text: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, base_dir=DATA)
+    return info.value.errors
+
+
+def test_good_config_converts_to_specs() -> None:
+    cfg = parse_config(GOOD, base_dir=DATA)
+    assert cfg.agent.device == "gw-1"
+    assert cfg.perception.signals == ("voltage", "speed")
+    assert cfg.perception.hop == 64  # defaults to the window
+    mb, can = cfg.sources
+    assert isinstance(mb, ModbusSpec)
+    assert isinstance(can, CanSpec)
+    volt, status = mb.registers
+    # Source-level unit and poll period apply unless the register overrides them.
+    assert (volt.unit, volt.poll_ms, volt.order, volt.scale) == (2, 50, "CDAB", 0.1)
+    assert (status.unit, status.poll_ms, status.bit, status.bits) == (7, 1000, 4, 3)
+    assert can.dbc == DATA / "mini.dbc"  # resolved against the config's folder
+
+
+def test_example_config_is_valid() -> None:
+    cfg = load_config(Path(__file__).parents[1] / "examples" / "agent.toml")
+    assert cfg.sources
+
+
+def replace(old: str, new: str) -> str:
+    assert old in GOOD, old
+    return GOOD.replace(old, new, 1)
+
+
+BAD: list[tuple[str, str, str]] = [
+    ("not toml", "[agent\ndevice = 1", "not valid TOML: Expected ']' at the end of a table"),
+    (
+        "unknown top-level key",
+        GOOD + "\n[agnet]\n",
+        "agnet: unknown key; expected one of: agent, perception, sources",
+    ),
+    (
+        "unknown nested key",
+        replace('scale = 0.1', 'scale = 0.1\nadress = 3'),
+        "sources.modbus[0].registers[0].adress: unknown key; expected one of: name, address, "
+        "function, type, order, unit, scale, offset, deadband, poll_ms, bit, bits",
+    ),
+    (
+        "string where an integer belongs",
+        replace("port = 5020", 'port = "5020"'),
+        "sources.modbus[0].port: expected a valid integer; got '5020'",
+    ),
+    (
+        "value out of range",
+        replace("port = 5020", "port = 70000"),
+        "sources.modbus[0].port: expected less than or equal to 65535; got 70000",
+    ),
+    (
+        "unknown register type",
+        replace('type = "float32"', 'type = "int33"'),
+        "sources.modbus[0].registers[0].type: expected one of 'bool', 'int16', 'uint16', "
+        "'int32', 'uint32', 'int64', 'uint64', 'float32', 'float64' or 'bitfield'; got 'int33'",
+    ),
+    (
+        "unknown word order",
+        replace('order = "CDAB"', 'order = "ACBD"'),
+        "sources.modbus[0].registers[0].order: expected one of 'ABCD', 'DCBA', 'BADC' or "
+        "'CDAB'; got 'ACBD'",
+    ),
+    (
+        "missing required key",
+        replace('signals = ["voltage", "speed"]\n', ""),
+        "perception.signals: required key is missing",
+    ),
+    (
+        "coil with a numeric type",
+        replace('function = "input"', 'function = "coil"'),
+        "sources.modbus[0].registers[0].type: expected 'bool' for function 'coil'; got 'float32'",
+    ),
+    (
+        "bitfield past the register",
+        replace("bit = 4", "bit = 14"),
+        "sources.modbus[0].registers[1].bits: expected bit + bits <= 16; got bit=14, bits=3",
+    ),
+    (
+        "register past the address space",
+        replace("address = 0", "address = 65535"),
+        "sources.modbus[0].registers[0].address: float32 needs 2 registers, past the end at "
+        "65535; got 65535",
+    ),
+    (
+        "duplicate signal name",
+        replace('name = "status"', 'name = "voltage"'),
+        "sources.modbus[0].registers[1].name: 'voltage' is already produced by "
+        "sources.modbus[0].registers[0]",
+    ),
+    (
+        "perception signal nobody produces",
+        replace('signals = ["voltage", "speed"]', 'signals = ["voltage", "speeed"]'),
+        "perception.signals[1]: 'speeed' is produced by no source; known: speed, status, voltage",
+    ),
+    (
+        "missing DBC file",
+        replace('dbc = "mini.dbc"', 'dbc = "nope.dbc"'),
+        f"sources.can[0].dbc: file not found: {str(DATA / 'nope.dbc')!r}",
+    ),
+    (
+        "rtu without a serial device",
+        replace('name = "drive"', 'name = "drive"\ntransport = "rtu"'),
+        "sources.modbus[0].device: required for transport 'rtu'; got ''",
+    ),
+    (
+        "hop longer than the window",
+        replace("window = 64", "window = 64\nhop = 65"),
+        "perception.hop: expected at most window (64); got 65",
+    ),
+    (
+        "rate without whole ns steps",
+        replace("rate_hz = 100", "rate_hz = 3"),
+        "perception.rate_hz: expected a rate with a whole number of ns per step "
+        "(e.g. 50, 100, 200, 1000); got 3.0",
+    ),
+    (
+        "duplicate source names",
+        replace('name = "bus"', 'name = "drive"'),
+        "sources.can[0].name: 'drive' is already used by sources.modbus[0].name",
+    ),
+    (
+        "bad characters in a name",
+        replace('device = "gw-1"', 'device = "gw 1/x"'),
+        "agent.device: expected a string that should match pattern '^[A-Za-z0-9_.:\\-]+$'; "
+        "got 'gw 1/x'",
+    ),
+    (
+        "empty register list",
+        "[perception]\nsignals=['a']\n[[sources.modbus]]\nname='m'\nregisters=[]\n",
+        "sources.modbus[0].registers: expected a list that should have at least 1 item after "
+        "validation, not 0; got []",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), [(t, m) for _, t, m in BAD], ids=[k for k, _, _ in BAD])
+def test_bad_config_names_path_value_and_expectation(text: str, message: str) -> None:
+    errors = parse(text)
+    assert any(e.startswith(message) for e in errors), errors
+
+
+def test_every_error_is_reported_not_just_the_first() -> None:
+    text = replace("port = 5020", 'port = "x"').replace('type = "float32"', 'type = "no"')
+    errors = parse(text)
+    assert len(errors) == 2
+    assert errors[0].startswith("sources.modbus[0].port:")
+    assert errors[1].startswith("sources.modbus[0].registers[0].type:")
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "missing.toml")
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * (2 << 20))
+    with pytest.raises(ConfigError, match="expected at most 1048576"):
+        load_config(big)
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(binary)
+
+
+def test_no_source_at_all() -> None:
+    errors = parse("[perception]\nsignals = ['a']\n[sources]\n")
+    assert errors[0] == (
+        "sources: no source configured; expected at least one of modbus, can, replay"
+    )
