@@ -114,23 +114,84 @@ async def _run(cfg: AgentConfig, duration: float | None, simulate: bool) -> dict
         await run_until_signalled(agent, duration)
         return agent.status()
     from drivers.sim.server import PlantSimulator  # noqa: PLC0415
+    from drivers.specs import CanSpec, ModbusSpec  # noqa: PLC0415
 
-    sim_args = _simulator_args_for(cfg)
-    async with PlantSimulator(**sim_args):  # type: ignore[arg-type]
+    # Serve what the config reads: its first Modbus TCP port and its first CAN channel.
+    modbus = next(
+        (s for s in cfg.sources if isinstance(s, ModbusSpec) and s.transport == "tcp"), None
+    )
+    can_spec = next((s for s in cfg.sources if isinstance(s, CanSpec)), None)
+    async with PlantSimulator(
+        seed=1,
+        modbus_host=modbus.host if modbus else "127.0.0.1",
+        modbus_port=modbus.port if modbus else None,
+        can_interface=can_spec.interface if can_spec else None,
+        can_channel=can_spec.channel if can_spec else "edgefleet-sim",
+    ):
         await run_until_signalled(agent, duration)
     return agent.status()
 
 
-def _simulator_args_for(cfg: AgentConfig) -> dict[str, object]:
-    from drivers.specs import CanSpec, ModbusSpec  # noqa: PLC0415
+@app.command()
+def simulate(
+    modbus_port: Annotated[
+        int, typer.Option(help="Modbus TCP port to serve (0: any free port).")
+    ] = 5020,
+    modbus_host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    no_modbus: Annotated[bool, typer.Option("--no-modbus", help="Serve CAN only.")] = False,
+    can_interface: Annotated[
+        str, typer.Option(help="python-can interface (virtual, udp_multicast, socketcan).")
+    ] = "udp_multicast",
+    can_channel: Annotated[
+        str, typer.Option(help="CAN channel (a multicast group for udp_multicast, can0 ...).")
+    ] = "239.74.163.2",
+    no_can: Annotated[bool, typer.Option("--no-can", help="Serve Modbus only.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the plant's duty cycle and noise.")] = 0,
+    anomaly: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Inject an anomaly, KIND:SIGNAL@START+DURATION[xMAGNITUDE], e.g. "
+            "drift:temperature@30+60x15 (kinds: drift spike stuck dropout noise). Repeatable.",
+        ),
+    ] = None,
+    speed: Annotated[float, typer.Option(help="Plant seconds per wall-clock second.")] = 1.0,
+    duration: Annotated[
+        float | None, typer.Option(help="Stop after this many seconds (default: until Ctrl-C).")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="debug | info | warning | error")] = "info",
+) -> None:
+    """Run the plant simulator: a motor drive on Modbus TCP and CAN, with anomalies."""
+    from drivers.sim.plant import parse_anomaly  # noqa: PLC0415
+    from drivers.sim.server import SimOptions, serve  # noqa: PLC0415
 
-    args: dict[str, object] = {"seed": 1}
-    for spec in cfg.sources:
-        if isinstance(spec, ModbusSpec) and spec.transport == "tcp" and "modbus_port" not in args:
-            args["modbus_host"], args["modbus_port"] = spec.host, spec.port
-        if isinstance(spec, CanSpec) and "can_interface" not in args:
-            args["can_interface"], args["can_channel"] = spec.interface, spec.channel
-    return args
+    _setup_logging(log_level)
+    try:
+        options = SimOptions(
+            seed=seed,
+            anomalies=tuple(parse_anomaly(a) for a in anomaly or ()),
+            modbus_host=modbus_host,
+            modbus_port=None if no_modbus else modbus_port,
+            can_interface=None if no_can else can_interface,
+            can_channel=can_channel,
+            speed=speed,
+        )
+    except DriverError as exc:
+        typer.echo(f"edge-agent simulate: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+    async def main() -> None:
+        async with asyncio.timeout(duration):
+            await serve(options)
+
+    try:
+        asyncio.run(main())
+    except TimeoutError:
+        pass
+    except KeyboardInterrupt:
+        pass
+    except DriverError as exc:
+        typer.echo(f"edge-agent simulate: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()

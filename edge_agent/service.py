@@ -153,7 +153,7 @@ class Agent:
         w = self.report.last_window
         log.info(
             "%swindows=%d (%.2f/s) completeness=%.3f jitter_ms=%.2f samples=%d "
-            "drops: buffer=%d late=%d unknown=%d skipped_windows=%d | %s",
+            "drops: buffer=%d late=%d not_in_window=%d skipped_windows=%d | %s",
             "final: " if final else "",
             self.report.windows,
             rate,
