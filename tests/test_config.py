@@ -93,7 +93,7 @@ BAD: list[tuple[str, str, str]] = [
     ),
     (
         "unknown nested key",
-        replace('scale = 0.1', 'scale = 0.1\nadress = 3'),
+        replace("scale = 0.1", "scale = 0.1\nadress = 3"),
         "sources.modbus[0].registers[0].adress: unknown key; expected one of: name, address, "
         "function, type, order, unit, scale, offset, deadband, poll_ms, bit, bits",
     ),
@@ -192,7 +192,9 @@ BAD: list[tuple[str, str, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("text", "message"), [(t, m) for _, t, m in BAD], ids=[k for k, _, _ in BAD])
+@pytest.mark.parametrize(
+    ("text", "message"), [(t, m) for _, t, m in BAD], ids=[k for k, _, _ in BAD]
+)
 def test_bad_config_names_path_value_and_expectation(text: str, message: str) -> None:
     errors = parse(text)
     assert any(e.startswith(message) for e in errors), errors

@@ -1,0 +1,261 @@
+"""Live CAN bus reader: python-can bus -> DBC decode -> :class:`SampleBuffer`.
+
+One thread per source blocks in ``bus.recv``; it stamps each frame with ``time.time_ns()``
+the moment ``recv`` returns (before decoding, so decode time never skews the stamp),
+decodes it and hands samples to the buffer in batches. Per-frame hand-off to the loop
+(``call_soon_threadsafe`` for each of 8,000 frames/s) costs more than the decoding; a
+batch is flushed when it is :data:`FLUSH_INTERVAL_S` old, holds :data:`MAX_BATCH`
+samples, or the bus goes quiet, so a sample waits at most a couple of milliseconds.
+
+Faults: ``can.CanError`` or ``OSError`` from opening or reading the bus (bus error,
+bus-off reported by the driver, a USB adapter unplugged, ``can0`` taken down) close the
+bus, are counted in ``bus_errors``, and the bus is reopened after a jittered backoff
+between ``backoff_min_ms`` and ``backoff_max_ms``; the source keeps running. Only a
+configuration the bus can never accept (unknown interface, bad options) ends ``run()``,
+with :class:`DriverConfigError`; any other exception is a bug and ends it with
+:class:`CanError`. Error frames are counted, not acted on: a controller that goes bus-off
+is restarted by the kernel (``restart-ms``), not by reopening a socket.
+"""
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+import can
+
+from drivers.backoff import backoff_delay
+from drivers.buffer import SampleBuffer
+from drivers.can._thread import run_in_thread
+from drivers.can.dbc import FrameDecoder
+from drivers.errors import CanBusError, CanError, DriverConfigError
+from drivers.sample import Sample
+from drivers.specs import CanSpec
+
+log = logging.getLogger(__name__)
+
+#: Oldest a pending batch may get before it is handed to the buffer. Perception's grid is
+#: 10 ms; 2 ms keeps hand-off latency well inside one step at ~500 loop wake-ups/s.
+FLUSH_INTERVAL_S: Final = 0.002
+#: Samples per hand-off at most, bounding the time the buffer's lock is held.
+MAX_BATCH: Final = 512
+#: Longest single ``recv`` wait, whatever ``recv_timeout_ms`` says, so cancellation (which
+#: the thread sees only between ``recv`` calls) completes well within a second.
+MAX_RECV_TIMEOUT_S: Final = 0.25
+
+BusFactory = Callable[[], can.BusABC]
+
+
+class CanSource:
+    """Reads one CAN interface and emits the DBC signals of :class:`CanSpec`.
+
+    ``bus_factory`` replaces ``can.Bus(interface=..., channel=..., bitrate=...,
+    **options)``; it is called again for every reconnect, so a test can hand in a bus that
+    vanishes and comes back. ``rng`` seeds the backoff jitter.
+
+    Raises :class:`DriverConfigError` at construction for an unusable DBC, an unknown
+    signal name or an unknown interface.
+    """
+
+    def __init__(
+        self,
+        spec: CanSpec,
+        *,
+        bus_factory: BusFactory | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        if bus_factory is None and spec.interface not in can.interfaces.VALID_INTERFACES:
+            raise DriverConfigError(
+                f"can source {spec.name!r}: unknown interface {spec.interface!r}; "
+                f"expected one of {', '.join(sorted(can.interfaces.VALID_INTERFACES))}"
+            )
+        if spec.backoff_min_ms <= 0 or spec.backoff_max_ms < spec.backoff_min_ms:
+            raise DriverConfigError(
+                f"can source {spec.name!r}: need 0 < backoff_min_ms <= backoff_max_ms, "
+                f"got {spec.backoff_min_ms} and {spec.backoff_max_ms}"
+            )
+        if spec.recv_timeout_ms <= 0:
+            raise DriverConfigError(
+                f"can source {spec.name!r}: recv_timeout_ms must be > 0, "
+                f"got {spec.recv_timeout_ms}"
+            )
+        self.name = spec.name
+        self.spec = spec
+        self._decoder = FrameDecoder.from_file(spec.dbc, signals=spec.signals, prefix=spec.prefix)
+        self._bus_factory: BusFactory = bus_factory if bus_factory is not None else self._open_bus
+        self._rng = rng if rng is not None else random.Random()
+        self._recv_timeout_s = min(spec.recv_timeout_ms / 1000.0, MAX_RECV_TIMEOUT_S)
+        self._running = False
+        self.state = "idle"
+        self.error_frames = 0
+        self.remote_frames = 0
+        self.bus_errors = 0
+        self.reconnects = 0
+        self.last_error = ""
+
+    @property
+    def signals(self) -> tuple[str, ...]:
+        """Every sample name this source can emit (after filtering and prefix)."""
+        return self._decoder.signals
+
+    @property
+    def unknown_ids(self) -> dict[tuple[int, bool], int]:
+        """Frames seen per ``(frame_id, is_extended)`` the DBC does not define."""
+        return self._decoder.unknown_ids
+
+    def stats(self) -> Mapping[str, int | float | str]:
+        """Counters since construction.
+
+        ``frames`` counts every data frame received (error and remote frames are counted
+        apart); ``bus_errors`` counts failed opens and failed reads; ``reconnects`` counts
+        successful re-opens after a failure. ``state`` is ``idle``, ``connecting``,
+        ``open``, ``backoff`` or ``stopped``.
+        """
+        out: dict[str, int | float | str] = dict(self._decoder.stats())
+        out.update(
+            error_frames=self.error_frames,
+            remote_frames=self.remote_frames,
+            bus_errors=self.bus_errors,
+            reconnects=self.reconnects,
+            state=self.state,
+            last_error=self.last_error,
+        )
+        return out
+
+    async def run(self, sink: SampleBuffer) -> None:
+        """Read the bus into ``sink`` until cancelled; reconnects on its own.
+
+        Cancellation stops the reader thread and closes the bus within about
+        ``min(recv_timeout_ms, 250 ms)``.
+        """
+        if self._running:
+            raise RuntimeError(f"can source {self.name!r} is already running")
+        self._running = True
+        try:
+            await run_in_thread(
+                f"can-reader-{self.name}",
+                lambda stop: self._read_forever(sink, stop),
+                lambda exc: CanError(f"can source {self.name!r}: reader failed: {exc!r}"),
+            )
+        finally:
+            self._running = False
+
+    # -- reader thread ---------------------------------------------------------------
+
+    def _open_bus(self) -> can.BusABC:
+        kwargs: dict[str, Any] = dict(self.spec.options)
+        if self.spec.bitrate is not None:
+            kwargs["bitrate"] = self.spec.bitrate
+        return can.Bus(interface=self.spec.interface, channel=self.spec.channel, **kwargs)
+
+    def _connect(self) -> can.BusABC:
+        try:
+            return self._bus_factory()
+        except can.CanInterfaceNotImplementedError as exc:
+            # A driver library or optional dependency is missing: retrying cannot help.
+            raise DriverConfigError(
+                f"can source {self.name!r}: interface {self.spec.interface!r} "
+                f"is not available: {exc}"
+            ) from exc
+        except (TypeError, ValueError) as exc:
+            raise DriverConfigError(
+                f"can source {self.name!r}: bad bus options {dict(self.spec.options)!r} "
+                f"for {self.spec.interface!r}: {exc}"
+            ) from exc
+        except (can.CanError, OSError) as exc:
+            raise CanBusError(
+                f"cannot open {self.spec.interface} {self.spec.channel}: {exc}"
+            ) from exc
+
+    def _read_forever(self, sink: SampleBuffer, stop: threading.Event) -> None:
+        attempt = 0
+        opened_before = False
+        try:
+            while not stop.is_set():
+                self.state = "connecting"
+                try:
+                    bus = self._connect()
+                except CanBusError as exc:
+                    self._fault(exc, attempt)
+                else:
+                    if opened_before:
+                        self.reconnects += 1
+                        log.info("can source %r: bus reopened", self.name)
+                    opened_before = True
+                    frames_before = self._decoder.frames
+                    self.state = "open"
+                    try:
+                        self._pump(bus, sink, stop)
+                    except (can.CanError, OSError) as exc:
+                        if self._decoder.frames > frames_before:
+                            attempt = 0  # the bus worked before it failed: retry soon
+                        self._fault(exc, attempt)
+                    finally:
+                        self._close(bus)
+                if stop.is_set():
+                    break
+                delay = backoff_delay(
+                    attempt,
+                    base_s=self.spec.backoff_min_ms / 1000.0,
+                    max_s=self.spec.backoff_max_ms / 1000.0,
+                    rng=self._rng,
+                )
+                attempt += 1
+                self.state = "backoff"
+                stop.wait(delay)
+        finally:
+            self.state = "stopped"
+
+    def _fault(self, exc: BaseException, attempt: int) -> None:
+        self.bus_errors += 1
+        self.last_error = str(exc) or type(exc).__name__
+        # First failure of a streak at WARNING; the backoff already bounds the rate.
+        level = logging.WARNING if attempt == 0 else logging.INFO
+        log.log(level, "can source %r: bus failed (attempt %d): %s", self.name, attempt + 1, exc)
+
+    def _close(self, bus: can.BusABC) -> None:
+        try:
+            bus.shutdown()
+        except (can.CanError, OSError) as exc:
+            log.info("can source %r: error closing bus: %s", self.name, exc)
+
+    def _pump(self, bus: can.BusABC, sink: SampleBuffer, stop: threading.Event) -> None:
+        """Receive, stamp, decode and batch until ``stop``; bus faults propagate."""
+        recv = bus.recv
+        decode = self._decoder.decode
+        now_ns = time.time_ns
+        monotonic = time.monotonic
+        poll = self._recv_timeout_s
+        batch: list[Sample] = []
+        flush_at = 0.0
+        try:
+            while not stop.is_set():
+                if batch:
+                    timeout = flush_at - monotonic()
+                    if timeout <= 0.0:
+                        sink.put_many(batch)
+                        batch = []
+                        timeout = poll
+                else:
+                    timeout = poll
+                msg = recv(timeout)
+                if msg is None:
+                    continue
+                t_ns = now_ns()
+                if msg.is_error_frame:
+                    self.error_frames += 1
+                    continue
+                if msg.is_remote_frame:
+                    self.remote_frames += 1
+                    continue
+                if not batch:
+                    flush_at = monotonic() + FLUSH_INTERVAL_S
+                decode(msg.arbitration_id, msg.is_extended_id, msg.data, t_ns, batch)
+                if len(batch) >= MAX_BATCH:
+                    sink.put_many(batch)
+                    batch = []
+        finally:
+            if batch:
+                sink.put_many(batch)

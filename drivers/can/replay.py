@@ -1,0 +1,250 @@
+"""Replay a recorded CAN capture (candump ``.log`` or Vector ``.asc``) through a DBC.
+
+Samples are stamped with ``time.time_ns()`` when the frame is *emitted*, not with the
+recorded timestamp. A replay stands in for a live bus: perception aligns samples onto a
+grid of "now", checks staleness against "now" and the uplink stamps windows with "now",
+so samples from 2021 would all read as hours stale, and a looping replay would run time
+backwards at each wrap. The recorded timing survives as the spacing between emissions
+(scaled by ``speed``); the recorded absolute times are not kept.
+
+The capture is read lazily in a dedicated thread (python-can's readers are line-based
+generators), so a multi-gigabyte capture neither fills memory nor blocks the loop.
+"""
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Final
+
+import can
+
+from drivers.buffer import SampleBuffer
+from drivers.can._thread import run_in_thread
+from drivers.can.dbc import FrameDecoder
+from drivers.errors import DriverConfigError, ReplayError
+from drivers.sample import Sample
+from drivers.specs import ReplaySpec
+
+log = logging.getLogger(__name__)
+
+#: Supported suffixes and their python-can readers.
+READERS: Final[Mapping[str, type[can.io.generic.MessageReader]]] = {
+    ".log": can.CanutilsLogReader,
+    ".asc": can.ASCReader,
+}
+
+#: Samples per hand-off to the buffer at most.
+MAX_BATCH: Final = 512
+#: A frame due less than this far ahead is emitted now rather than slept for: sleeping
+#: per frame at ~1,000 frames/s would cost more than it is worth, and the sample is
+#: stamped when actually emitted anyway.
+MIN_SLEEP_S: Final = 0.001
+#: Poll interval while waiting for the consumer to make room (``speed=0`` only).
+BACKPRESSURE_POLL_S: Final = 0.001
+
+# What python-can's text readers raise on a malformed line (split/int/float parsing).
+_PARSE_ERRORS: Final = (ValueError, IndexError, KeyError, TypeError, UnicodeDecodeError)
+
+
+def _open(path: Path) -> can.io.generic.MessageReader:
+    reader_cls = READERS.get(path.suffix.lower())
+    if reader_cls is None:
+        raise ReplayError(
+            f"capture {path}: unknown format {path.suffix!r}; "
+            f"expected .log (candump -l) or .asc (Vector ASCII)"
+        )
+    if not path.is_file():
+        raise ReplayError(f"capture {path}: no such file")
+    try:
+        return reader_cls(path)
+    except OSError as exc:
+        raise ReplayError(f"capture {path}: cannot open: {exc.strerror or exc}") from exc
+
+
+class ReplaySource:
+    """Plays :attr:`ReplaySpec.path` through :attr:`ReplaySpec.dbc` into a buffer.
+
+    ``speed`` scales recorded time: 1.0 as recorded, 10.0 ten times faster, 0 as fast as
+    the consumer drains. At ``speed=0`` the reader waits for room in the buffer instead
+    of letting it drop the oldest samples, so an offline run sees every sample; at any
+    other speed the replay behaves like a live bus and the buffer's drop policy applies.
+    With ``loop`` the capture starts over right after its last frame.
+
+    When a non-looping capture ends, ``run()`` stays up (a quiet bus, ``state ==
+    "finished"``) until cancelled, as every source does. Construction raises
+    :class:`ReplayError` for a missing, unreadable or unknown-format capture, and
+    :class:`DriverConfigError` for a bad DBC or speed; a capture that turns out malformed
+    further in raises :class:`ReplayError` from ``run()``.
+    """
+
+    def __init__(self, spec: ReplaySpec) -> None:
+        if not (math.isfinite(spec.speed) and spec.speed >= 0):
+            raise DriverConfigError(
+                f"replay source {spec.name!r}: speed must be a finite number >= 0, "
+                f"got {spec.speed}"
+            )
+        self.name = spec.name
+        self.spec = spec
+        self._decoder = FrameDecoder.from_file(spec.dbc, signals=spec.signals, prefix=spec.prefix)
+        self._check_capture()
+        self._running = False
+        self.state = "idle"
+        self.error_frames = 0
+        self.remote_frames = 0
+        self.frames_total = 0
+        self.position = 0
+        self.passes = 0
+
+    @property
+    def signals(self) -> tuple[str, ...]:
+        """Every sample name this source can emit (after filtering and prefix)."""
+        return self._decoder.signals
+
+    def stats(self) -> Mapping[str, int | float | str]:
+        """Counters since construction, summed over passes when looping.
+
+        ``position`` is the number of frames emitted in the current pass; ``frames_total``
+        the frames in one pass, known once the first pass has read to the end (0 before:
+        counting up front would mean reading a large capture twice); ``passes`` the
+        completed passes. ``state`` is ``idle``, ``playing``, ``finished`` or ``stopped``.
+        """
+        out: dict[str, int | float | str] = dict(self._decoder.stats())
+        out.update(
+            error_frames=self.error_frames,
+            remote_frames=self.remote_frames,
+            frames_total=self.frames_total,
+            position=self.position,
+            passes=self.passes,
+            state=self.state,
+        )
+        return out
+
+    async def run(self, sink: SampleBuffer) -> None:
+        """Play the capture into ``sink``; returns only by cancellation."""
+        if self._running:
+            raise RuntimeError(f"replay source {self.name!r} is already running")
+        self._running = True
+        try:
+            await run_in_thread(
+                f"can-replay-{self.name}",
+                lambda stop: self._play(sink, stop),
+                lambda exc: ReplayError(f"capture {self.spec.path}: replay failed: {exc!r}"),
+            )
+            # The capture ended; like a bus gone quiet, stay until cancelled.
+            await _forever()
+        finally:
+            self._running = False
+
+    def _check_capture(self) -> None:
+        """Fail at construction, not at first use, if the capture cannot be played."""
+        reader = _open(self.spec.path)
+        try:
+            first = next(iter(reader), None)
+        except _PARSE_ERRORS as exc:
+            raise ReplayError(
+                f"capture {self.spec.path}: not a valid {self.spec.path.suffix} capture: {exc}"
+            ) from exc
+        except OSError as exc:
+            raise ReplayError(f"capture {self.spec.path}: cannot read: {exc}") from exc
+        finally:
+            reader.stop()
+        if first is None:
+            raise ReplayError(f"capture {self.spec.path}: contains no CAN frames")
+
+    # -- replay thread ---------------------------------------------------------------
+
+    def _play(self, sink: SampleBuffer, stop: threading.Event) -> None:
+        self.state = "playing"
+        try:
+            while not stop.is_set():
+                played = self._play_once(sink, stop)
+                if stop.is_set():
+                    break
+                if played == 0:
+                    raise ReplayError(f"capture {self.spec.path}: contains no CAN frames")
+                self.passes += 1
+                self.frames_total = played
+                if not self.spec.loop:
+                    self.state = "finished"
+                    return
+        finally:
+            if self.state != "finished":
+                self.state = "stopped"
+
+    def _play_once(self, sink: SampleBuffer, stop: threading.Event) -> int:
+        """One pass over the capture; returns the frames read."""
+        path = self.spec.path
+        speed = self.spec.speed
+        decode = self._decoder.decode
+        now_ns = time.time_ns
+        monotonic = time.monotonic
+        batch: list[Sample] = []
+        index = 0
+        self.position = 0
+        reader = _open(path)
+        frames = iter(reader)
+        try:
+            start = monotonic()
+            first_ts: float | None = None
+            while not stop.is_set():
+                try:
+                    msg = next(frames, None)
+                except _PARSE_ERRORS as exc:
+                    raise ReplayError(
+                        f"capture {path}: cannot parse frame {index + 1}: {exc}"
+                    ) from exc
+                except OSError as exc:
+                    raise ReplayError(f"capture {path}: cannot read: {exc}") from exc
+                if msg is None:
+                    break
+                index += 1
+                if speed > 0.0:
+                    if first_ts is None:
+                        first_ts = msg.timestamp
+                    # Due times are measured from the start of the pass, not from the
+                    # previous frame, so sleep overshoot never accumulates into drift.
+                    ahead = start + (msg.timestamp - first_ts) / speed - monotonic()
+                    if ahead > MIN_SLEEP_S:
+                        self._flush(batch, sink, stop)
+                        batch = []
+                        if stop.wait(ahead):
+                            break
+                t_ns = now_ns()
+                self.position = index
+                if msg.is_error_frame:
+                    self.error_frames += 1
+                    continue
+                if msg.is_remote_frame:
+                    self.remote_frames += 1
+                    continue
+                decode(msg.arbitration_id, msg.is_extended_id, msg.data, t_ns, batch)
+                if len(batch) >= MAX_BATCH:
+                    self._flush(batch, sink, stop)
+                    batch = []
+            self._flush(batch, sink, stop)
+        finally:
+            reader.stop()
+        return index
+
+    def _flush(self, batch: list[Sample], sink: SampleBuffer, stop: threading.Event) -> None:
+        if not batch:
+            return
+        if self.spec.speed > 0.0:
+            sink.put_many(batch)
+            return
+        # speed=0: hand over in chunks that fit, waiting for the consumer to make room.
+        chunk = max(1, sink.maxlen // 2)
+        for i in range(0, len(batch), chunk):
+            part = batch[i : i + chunk]
+            while len(sink) > sink.maxlen - len(part):
+                if stop.wait(BACKPRESSURE_POLL_S):
+                    return
+            sink.put_many(part)
+
+
+async def _forever() -> None:
+    await asyncio.Event().wait()

@@ -1,0 +1,214 @@
+"""CanSource over python-can's in-process virtual bus, and over a bus that vanishes."""
+
+import asyncio
+import struct
+import threading
+import time
+import uuid
+from typing import Any
+
+import can
+import can.interfaces.virtual
+import pytest
+
+from drivers.buffer import SampleBuffer
+from drivers.can.reader import CanSource
+from drivers.errors import CanError, DriverConfigError
+from drivers.sample import Sample
+from drivers.specs import CanSpec
+from tests.can_support import SYNTHETIC_DBC, wait_until
+
+EXT_ID = 0x18FF0103
+ENGINE = bytes([0x71, 0x17, 0x1C, 0x73, 0xF3, 0x00, 0x00, 0x00])  # RPM 1500.25, TEMP -12 ...
+EXT = struct.pack(">h", 2234) + struct.pack("<b", -7) + b"\x00" + struct.pack("<f", 13.75)
+
+
+def virtual_spec(channel: str, **kw: Any) -> CanSpec:
+    return CanSpec(
+        name="vcan", interface="virtual", channel=channel, dbc=SYNTHETIC_DBC,
+        recv_timeout_ms=50, **kw,
+    )
+
+
+def stat(source: CanSource, key: str) -> int:
+    return int(source.stats()[key])
+
+
+async def stop(task: "asyncio.Task[None]") -> float:
+    """Cancel ``task``; return how long it took to finish."""
+    t0 = time.monotonic()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return time.monotonic() - t0
+
+
+def test_frames_become_samples_stamped_on_arrival() -> None:
+    channel = f"test-{uuid.uuid4()}"
+
+    async def main() -> tuple[list[Sample], CanSource, int, int]:
+        source = CanSource(virtual_spec(channel))
+        sink = SampleBuffer(1000)
+        task = asyncio.create_task(source.run(sink))
+        await wait_until(lambda: source.stats()["state"] == "open", 5, "bus open")
+        with can.Bus(interface="virtual", channel=channel) as tx:
+            before = time.time_ns()
+            tx.send(can.Message(arbitration_id=0x100, data=ENGINE, is_extended_id=False))
+            tx.send(can.Message(arbitration_id=EXT_ID, data=EXT, is_extended_id=True))
+            tx.send(can.Message(arbitration_id=0x7FF, data=bytes(8), is_extended_id=False))
+            tx.send(can.Message(arbitration_id=0x100, data=b"\x01\x02", is_extended_id=False))
+            tx.send(can.Message(is_error_frame=True))
+            tx.send(can.Message(arbitration_id=0x100, is_remote_frame=True, dlc=8,
+                                is_extended_id=False))
+            await wait_until(lambda: len(sink) == 7, 5, "7 samples")
+            after = time.time_ns()
+        samples = sink.drain()
+        await stop(task)
+        return samples, source, before, after
+
+    samples, source, before, after = asyncio.run(main())
+    assert [s.signal for s in samples] == [
+        "RPM", "ENGINE.TEMP", "GEAR_STATE", "TORQUE", "HEIGHT", "EXT_STATUS.TEMP", "VOLTAGE",
+    ]
+    assert [s.value for s in samples] == pytest.approx(
+        [1500.25, -12.0, 3.0, -100.5, 12.34, -3.5, 13.75]
+    )
+    assert all(before <= s.t_ns <= after for s in samples)
+    # One stamp per frame, taken at arrival: the two frames' samples differ, a frame's agree.
+    assert len({s.t_ns for s in samples[:4]}) == 1
+    assert len({s.t_ns for s in samples[4:]}) == 1
+    assert samples[4].t_ns >= samples[0].t_ns
+    stats = source.stats()
+    assert stats["frames"] == 4
+    assert stats["decoded_frames"] == 2
+    assert stats["unknown_frames"] == 1
+    assert source.unknown_ids == {(0x7FF, False): 1}
+    assert stats["decode_errors"] == 1
+    assert stats["error_frames"] == 1
+    assert stats["remote_frames"] == 1
+    assert stats["samples"] == 7
+    assert stats["bus_errors"] == 0
+    assert stats["state"] == "stopped"
+
+
+class Adapter:
+    """A USB CAN adapter that can be pulled out: plugged into python-can's virtual bus."""
+
+    def __init__(self, channel: str) -> None:
+        self.channel = channel
+        self.present = threading.Event()
+        self.present.set()
+        self.opened = 0
+        self.refused = 0
+
+    def open(self) -> can.BusABC:
+        if not self.present.is_set():
+            self.refused += 1
+            raise can.CanInitializationError(f"{self.channel}: No such device")
+        self.opened += 1
+        return VanishingBus(self)
+
+
+class VanishingBus(can.BusABC):
+    """A real python-can bus (over a VirtualBus) whose recv fails once its adapter is gone."""
+
+    def __init__(self, adapter: Adapter, **kwargs: Any) -> None:
+        self._adapter = adapter
+        self._inner = can.interfaces.virtual.VirtualBus(channel=adapter.channel)
+        super().__init__(channel=adapter.channel, **kwargs)
+        self.channel_info = f"vanishing adapter on {adapter.channel}"
+
+    def _recv_internal(self, timeout: float | None) -> tuple[can.Message | None, bool]:
+        if not self._adapter.present.is_set():
+            raise can.CanOperationError("Network is down [Error Code 100]")
+        return self._inner.recv(timeout), True
+
+    def send(self, msg: can.Message, timeout: float | None = None) -> None:
+        self._inner.send(msg, timeout)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._inner.shutdown()
+
+
+def test_reconnects_after_the_bus_vanishes() -> None:
+    adapter = Adapter(f"test-{uuid.uuid4()}")
+    spec = virtual_spec(adapter.channel, backoff_min_ms=10, backoff_max_ms=50)
+
+    async def main() -> CanSource:
+        source = CanSource(spec, bus_factory=adapter.open)
+        sink = SampleBuffer(1000)
+        task = asyncio.create_task(source.run(sink))
+        with can.Bus(interface="virtual", channel=adapter.channel) as tx:
+            frame = can.Message(arbitration_id=0x100, data=ENGINE, is_extended_id=False)
+            await wait_until(lambda: source.stats()["state"] == "open", 5, "bus open")
+            tx.send(frame)
+            await wait_until(lambda: len(sink) == 4, 5, "samples before the fault")
+
+            adapter.present.clear()
+            # The read fails, then reopening fails while the adapter is out.
+            await wait_until(lambda: adapter.refused >= 2, 5, "failed reopen attempts")
+            assert not task.done()
+            assert stat(source, "bus_errors") >= 3
+            assert source.stats()["state"] in ("backoff", "connecting")
+            assert "No such device" in str(source.stats()["last_error"])
+
+            adapter.present.set()
+            await wait_until(lambda: stat(source, "reconnects") == 1, 5, "reconnect")
+            await wait_until(lambda: source.stats()["state"] == "open", 5, "bus reopened")
+            tx.send(frame)
+            await wait_until(lambda: len(sink) == 8, 5, "samples after the reconnect")
+        engine = ["RPM", "ENGINE.TEMP", "GEAR_STATE", "TORQUE"]
+        assert [s.signal for s in sink.drain()] == engine * 2
+        await stop(task)
+        return source
+
+    source = asyncio.run(main())
+    assert adapter.opened == 2
+    assert stat(source, "bus_errors") == 1 + adapter.refused
+    assert stat(source, "frames") == 2
+
+
+def test_cancellation_is_prompt_and_closes_the_bus() -> None:
+    channel = f"test-{uuid.uuid4()}"
+    # recv_timeout_ms far above a second: the reader caps each wait so it still stops fast.
+    spec = CanSpec(name="slow", interface="virtual", channel=channel, dbc=SYNTHETIC_DBC,
+                   recv_timeout_ms=10_000)
+
+    async def main() -> float:
+        source = CanSource(spec)
+        task = asyncio.create_task(source.run(SampleBuffer(10)))
+        await wait_until(lambda: source.stats()["state"] == "open", 5, "bus open")
+        assert channel in can.interfaces.virtual.channels
+        return await stop(task)
+
+    assert asyncio.run(main()) < 1.0
+    assert channel not in can.interfaces.virtual.channels  # shut down, not leaked
+    assert not [t for t in threading.enumerate() if t.name == "can-reader-slow"]
+
+
+def test_unknown_interface_is_a_config_error() -> None:
+    spec = CanSpec(name="x", interface="no-such-can", channel="can0", dbc=SYNTHETIC_DBC)
+    with pytest.raises(DriverConfigError, match=r"unknown interface 'no-such-can'.*socketcan"):
+        CanSource(spec)
+
+
+@pytest.mark.parametrize(
+    ("fault", "error", "match"),
+    [
+        (can.CanInterfaceNotImplementedError("msgpack not installed"), DriverConfigError,
+         "not available: msgpack"),
+        (TypeError("unexpected keyword 'bitrat'"), DriverConfigError, "bad bus options"),
+        (RuntimeError("bug in a driver"), CanError, "reader failed: RuntimeError"),
+    ],
+)
+def test_faults_that_retrying_cannot_fix_end_run(
+    fault: Exception, error: type[Exception], match: str
+) -> None:
+    def factory() -> can.BusABC:
+        raise fault
+
+    spec = virtual_spec("unused")
+    with pytest.raises(error, match=match) as err:
+        asyncio.run(CanSource(spec, bus_factory=factory).run(SampleBuffer(10)))
+    assert not isinstance(err.value, can.CanError)
