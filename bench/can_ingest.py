@@ -46,13 +46,27 @@ FULL_RAMP = (12_000, 16_000, 20_000, 24_000, 28_000, 32_000, 40_000, 48_000, 64_
 QUICK_BUDGET_S = 21.0
 #: The non-clock frames: (message, fixed signals, signal -> value range), 64 variants each.
 PAYLOADS: tuple[tuple[str, dict[str, int], dict[str, tuple[float, float]]], ...] = (
-    ("BENCH_DRIVE", {}, {"MOTOR_RPM": (0, 6000), "MOTOR_TORQUE": (-300, 300),
-                         "DC_VOLTAGE": (300, 650), "DC_CURRENT": (-200, 200)}),
-    ("BENCH_HYDRAULICS", {}, {"PRESSURE_A": (0, 250), "PRESSURE_B": (-10, 250),
-                              "OIL_TEMP": (20, 90), "FLOW": (0, 120)}),
+    (
+        "BENCH_DRIVE",
+        {},
+        {
+            "MOTOR_RPM": (0, 6000),
+            "MOTOR_TORQUE": (-300, 300),
+            "DC_VOLTAGE": (300, 650),
+            "DC_CURRENT": (-200, 200),
+        },
+    ),
+    (
+        "BENCH_HYDRAULICS",
+        {},
+        {"PRESSURE_A": (0, 250), "PRESSURE_B": (-10, 250), "OIL_TEMP": (20, 90), "FLOW": (0, 120)},
+    ),
     ("BENCH_VIBRATION", {"PAGE": 0}, {"AXIS_X": (-2, 2), "AXIS_Y": (-2, 2), "AXIS_Z": (-2, 2)}),
-    ("BENCH_VIBRATION", {"PAGE": 1}, {"VIB_RMS": (0, 20), "VIB_PEAK": (0, 60),
-                                      "BEARING_TEMP": (20, 90)}),
+    (
+        "BENCH_VIBRATION",
+        {"PAGE": 1},
+        {"VIB_RMS": (0, 20), "VIB_PEAK": (0, 60), "BEARING_TEMP": (20, 90)},
+    ),
 )
 #: Sender counts as keeping the pace when it reaches this share of the target rate.
 PACE_OK = 0.98
@@ -71,14 +85,18 @@ def sender(group: str, port: int, rate: float, seconds: float) -> None:
     payloads: list[list[tuple[int, bool, bytes]]] = []
     for name, fixed, ranges in PAYLOADS:
         msg = db.get_message_by_name(name)
-        payloads.append([
-            (
-                msg.frame_id,
-                msg.is_extended_frame,
-                msg.encode({**fixed, **{k: rng.uniform(lo, hi) for k, (lo, hi) in ranges.items()}}),
-            )
-            for _ in range(64)
-        ])
+        payloads.append(
+            [
+                (
+                    msg.frame_id,
+                    msg.is_extended_frame,
+                    msg.encode(
+                        {**fixed, **{k: rng.uniform(lo, hi) for k, (lo, hi) in ranges.items()}}
+                    ),
+                )
+                for _ in range(64)
+            ]
+        )
     clock = db.get_message_by_name("BENCH_CLOCK")
     probe = time.time_ns()
     # The hot loop writes T_NS with int.to_bytes; prove that is the DBC's layout.
@@ -227,7 +245,11 @@ def run_step(ns: str, rate: int, seconds: float, port: int) -> Step:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     rx = subprocess.Popen(
         in_netns(ns, [*me, "--role", "receiver", *bus]),
-        cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         stdin: IO[str] | None = rx.stdin
@@ -237,9 +259,14 @@ def run_step(ns: str, rate: int, seconds: float, port: int) -> Step:
         if ready != "READY":
             raise RuntimeError(f"receiver did not start (said {ready!r})")
         tx = subprocess.run(
-            in_netns(ns, [*me, "--role", "sender", *bus, "--rate", str(rate),
-                          "--seconds", str(seconds)]),
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=seconds * 3 + 30,
+            in_netns(
+                ns, [*me, "--role", "sender", *bus, "--rate", str(rate), "--seconds", str(seconds)]
+            ),
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=seconds * 3 + 30,
             check=True,
         )
         out, _ = rx.communicate("STOP\n", timeout=30)
@@ -293,8 +320,10 @@ def orchestrate(quick: bool, as_json: bool) -> int:
     port = 41_000 + random.randrange(10_000)
     with netns("efbench") as ns:
         load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-        say(f"CAN ingest: udp_multicast {GROUP} in netns {ns}; sender -> CanSource -> "
-            f"SampleBuffer; {os.cpu_count()} cpus, load average {load}")
+        say(
+            f"CAN ingest: udp_multicast {GROUP} in netns {ns}; sender -> CanSource -> "
+            f"SampleBuffer; {os.cpu_count()} cpus, load average {load}"
+        )
         say(HEADER)
         base = run_step(ns, BASE_RATE, base_s, port)
         say(_row(base))
@@ -319,33 +348,43 @@ def orchestrate(quick: bool, as_json: bool) -> int:
         else:
             limit = "end of ramp"
     max_fps = round(best.frames_per_s) if best is not None else 0
-    say(f"at {BASE_RATE} frames/s: {base.frames_per_s:.0f} decoded frames/s, {base.drops} drops, "
+    say(
+        f"at {BASE_RATE} frames/s: {base.frames_per_s:.0f} decoded frames/s, {base.drops} drops, "
         f"latency p50 {base.p50_us:.0f} µs p99 {base.p99_us:.0f} µs, "
-        f"cpu {base.cpu_pct:.1f} % of one core")
-    say(f"max with zero drops: {max_fps} frames/s (ramp stopped: {limit}); "
-        f"{time.monotonic() - t_start:.1f} s")
+        f"cpu {base.cpu_pct:.1f} % of one core"
+    )
+    say(
+        f"max with zero drops: {max_fps} frames/s (ramp stopped: {limit}); "
+        f"{time.monotonic() - t_start:.1f} s"
+    )
     if as_json:
-        print(json.dumps({
-            "rate_hz": BASE_RATE,
-            "frames_per_s": round(base.frames_per_s, 1),
-            "drops": base.drops,
-            "p50_us": round(base.p50_us, 1),
-            "p99_us": round(base.p99_us, 1),
-            "cpu_pct": round(base.cpu_pct, 1),
-            "max_frames_per_s": max_fps,
-            "delivery_p50_us": round(base.delivery_p50_us, 1),
-            "delivery_p99_us": round(base.delivery_p99_us, 1),
-            "max_limited_by": limit,
-        }))
+        print(
+            json.dumps(
+                {
+                    "rate_hz": BASE_RATE,
+                    "frames_per_s": round(base.frames_per_s, 1),
+                    "drops": base.drops,
+                    "p50_us": round(base.p50_us, 1),
+                    "p99_us": round(base.p99_us, 1),
+                    "cpu_pct": round(base.cpu_pct, 1),
+                    "max_frames_per_s": max_fps,
+                    "delivery_p50_us": round(base.delivery_p50_us, 1),
+                    "delivery_p99_us": round(base.delivery_p99_us, 1),
+                    "max_limited_by": limit,
+                }
+            )
+        )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.can_ingest",
-                                     description=__doc__.split("\n", 1)[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.can_ingest", description=__doc__.split("\n", 1)[0]
+    )
     parser.add_argument("--quick", action="store_true", help="short run (< 30 s)")
-    parser.add_argument("--json", action="store_true",
-                        help="figures as one JSON object on the last line")
+    parser.add_argument(
+        "--json", action="store_true", help="figures as one JSON object on the last line"
+    )
     parser.add_argument("--role", choices=("sender", "receiver"), help=argparse.SUPPRESS)
     parser.add_argument("--group", default=GROUP, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)

@@ -45,8 +45,17 @@ def test_samples_cross_process_boundary_with_arrival_stamps(namespace: str) -> N
         assert receiver.stdout is not None
         assert receiver.stdout.readline().strip() == "READY"
         sender = subprocess.run(
-            python(namespace, "send", "--capture", str(log_path), "--count", str(COUNT),
-                   "--rate", str(RATE), *bus_args),
+            python(
+                namespace,
+                "send",
+                "--capture",
+                str(log_path),
+                "--count",
+                str(COUNT),
+                "--rate",
+                str(RATE),
+                *bus_args,
+            ),
             cwd=REPO,
             capture_output=True,
             text=True,

@@ -25,8 +25,12 @@ EXT = struct.pack(">h", 2234) + struct.pack("<b", -7) + b"\x00" + struct.pack("<
 
 def virtual_spec(channel: str, **kw: Any) -> CanSpec:
     return CanSpec(
-        name="vcan", interface="virtual", channel=channel, dbc=SYNTHETIC_DBC,
-        recv_timeout_ms=50, **kw,
+        name="vcan",
+        interface="virtual",
+        channel=channel,
+        dbc=SYNTHETIC_DBC,
+        recv_timeout_ms=50,
+        **kw,
     )
 
 
@@ -58,8 +62,9 @@ def test_frames_become_samples_stamped_on_arrival() -> None:
             tx.send(can.Message(arbitration_id=0x7FF, data=bytes(8), is_extended_id=False))
             tx.send(can.Message(arbitration_id=0x100, data=b"\x01\x02", is_extended_id=False))
             tx.send(can.Message(is_error_frame=True))
-            tx.send(can.Message(arbitration_id=0x100, is_remote_frame=True, dlc=8,
-                                is_extended_id=False))
+            tx.send(
+                can.Message(arbitration_id=0x100, is_remote_frame=True, dlc=8, is_extended_id=False)
+            )
             await wait_until(lambda: len(sink) == 7, 5, "7 samples")
             after = time.time_ns()
         samples = sink.drain()
@@ -68,7 +73,13 @@ def test_frames_become_samples_stamped_on_arrival() -> None:
 
     samples, source, before, after = asyncio.run(main())
     assert [s.signal for s in samples] == [
-        "RPM", "ENGINE.TEMP", "GEAR_STATE", "TORQUE", "HEIGHT", "EXT_STATUS.TEMP", "VOLTAGE",
+        "RPM",
+        "ENGINE.TEMP",
+        "GEAR_STATE",
+        "TORQUE",
+        "HEIGHT",
+        "EXT_STATUS.TEMP",
+        "VOLTAGE",
     ]
     assert [s.value for s in samples] == pytest.approx(
         [1500.25, -12.0, 3.0, -100.5, 12.34, -3.5, 13.75]
@@ -172,8 +183,9 @@ def test_reconnects_after_the_bus_vanishes() -> None:
 def test_cancellation_is_prompt_and_closes_the_bus() -> None:
     channel = f"test-{uuid.uuid4()}"
     # recv_timeout_ms far above a second: the reader caps each wait so it still stops fast.
-    spec = CanSpec(name="slow", interface="virtual", channel=channel, dbc=SYNTHETIC_DBC,
-                   recv_timeout_ms=10_000)
+    spec = CanSpec(
+        name="slow", interface="virtual", channel=channel, dbc=SYNTHETIC_DBC, recv_timeout_ms=10_000
+    )
 
     async def main() -> float:
         source = CanSource(spec)
@@ -196,8 +208,11 @@ def test_unknown_interface_is_a_config_error() -> None:
 @pytest.mark.parametrize(
     ("fault", "error", "match"),
     [
-        (can.CanInterfaceNotImplementedError("msgpack not installed"), DriverConfigError,
-         "not available: msgpack"),
+        (
+            can.CanInterfaceNotImplementedError("msgpack not installed"),
+            DriverConfigError,
+            "not available: msgpack",
+        ),
         (TypeError("unexpected keyword 'bitrat'"), DriverConfigError, "bad bus options"),
         (RuntimeError("bug in a driver"), CanError, "reader failed: RuntimeError"),
     ],

@@ -133,15 +133,22 @@ def write_asc(path: Path) -> None:
     ext = struct.pack(">h", 2234) + struct.pack("<b", -7) + b"\x00" + struct.pack("<f", 13.75)
     mux1 = bytes([0x01]) + struct.pack("<H", 201) + bytes([0x01, 0, 0, 0, 8])
     with can.ASCWriter(path) as writer:
-        for i, msg in enumerate([
-            can.Message(arbitration_id=0x100, data=bytes([0x71, 0x17, 0x1C, 0x73, 0xF3, 0, 0, 0]),
-                        is_extended_id=False),
-            can.Message(arbitration_id=0x18FF0103, data=ext, is_extended_id=True),
-            can.Message(arbitration_id=0x200, data=mux1, is_extended_id=False),
-            can.Message(is_error_frame=True),
-            can.Message(arbitration_id=0x123, data=bytes(8), is_extended_id=False),
-            can.Message(arbitration_id=0x100, is_remote_frame=True, dlc=8, is_extended_id=False),
-        ]):
+        for i, msg in enumerate(
+            [
+                can.Message(
+                    arbitration_id=0x100,
+                    data=bytes([0x71, 0x17, 0x1C, 0x73, 0xF3, 0, 0, 0]),
+                    is_extended_id=False,
+                ),
+                can.Message(arbitration_id=0x18FF0103, data=ext, is_extended_id=True),
+                can.Message(arbitration_id=0x200, data=mux1, is_extended_id=False),
+                can.Message(is_error_frame=True),
+                can.Message(arbitration_id=0x123, data=bytes(8), is_extended_id=False),
+                can.Message(
+                    arbitration_id=0x100, is_remote_frame=True, dlc=8, is_extended_id=False
+                ),
+            ]
+        ):
             msg.timestamp = 1_700_000_000.0 + i * 0.01
             writer.on_message_received(msg)
 
@@ -149,12 +156,21 @@ def write_asc(path: Path) -> None:
 def test_vector_asc(tmp_path: Path) -> None:
     path = tmp_path / "bench.asc"
     write_asc(path)
-    got, source, _ = asyncio.run(play(ReplaySpec(name="asc", path=path, dbc=SYNTHETIC_DBC,
-                                                 speed=1.0)))
+    got, source, _ = asyncio.run(
+        play(ReplaySpec(name="asc", path=path, dbc=SYNTHETIC_DBC, speed=1.0))
+    )
     assert [s.signal for s in got] == [
-        "RPM", "ENGINE.TEMP", "GEAR_STATE", "TORQUE",
-        "HEIGHT", "EXT_STATUS.TEMP", "VOLTAGE",
-        "MUX", "COUNTER", "LEVEL", "VALVE",
+        "RPM",
+        "ENGINE.TEMP",
+        "GEAR_STATE",
+        "TORQUE",
+        "HEIGHT",
+        "EXT_STATUS.TEMP",
+        "VOLTAGE",
+        "MUX",
+        "COUNTER",
+        "LEVEL",
+        "VALVE",
     ]
     assert [s.value for s in got] == pytest.approx(
         [1500.25, -12.0, 3.0, -100.5, 12.34, -3.5, 13.75, 1.0, 8.0, 100.5, 1.0]

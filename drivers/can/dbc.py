@@ -113,9 +113,7 @@ def _select(
         listed = ", ".join(known[:_MAX_LISTED_NAMES])
         if len(known) > _MAX_LISTED_NAMES:
             listed += f", ... ({len(known) - _MAX_LISTED_NAMES} more)"
-        raise DriverConfigError(
-            f"DBC {source}: no signal {name!r}{hint}; known signals: {listed}"
-        )
+        raise DriverConfigError(f"DBC {source}: no signal {name!r}{hint}; known signals: {listed}")
     return selected
 
 
@@ -271,9 +269,7 @@ class FrameDecoder:
             # Unknown ids are normal on a real bus (27 of 35 on the Subaru capture): debug.
             log.debug("DBC %s: no message for frame id %s", self.source, _fmt_id(key))
 
-    def _count_decode_error(
-        self, key: FrameKey, plan: _Plan, length: int, exc: Exception
-    ) -> None:
+    def _count_decode_error(self, key: FrameKey, plan: _Plan, length: int, exc: Exception) -> None:
         self.decode_errors += 1
         if key not in self._decode_failed_ids:
             self._decode_failed_ids.add(key)

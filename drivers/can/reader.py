@@ -78,8 +78,7 @@ class CanSource:
             )
         if spec.recv_timeout_ms <= 0:
             raise DriverConfigError(
-                f"can source {spec.name!r}: recv_timeout_ms must be > 0, "
-                f"got {spec.recv_timeout_ms}"
+                f"can source {spec.name!r}: recv_timeout_ms must be > 0, got {spec.recv_timeout_ms}"
             )
         self.name = spec.name
         self.spec = spec

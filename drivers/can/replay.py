@@ -84,8 +84,7 @@ class ReplaySource:
     def __init__(self, spec: ReplaySpec) -> None:
         if not (math.isfinite(spec.speed) and spec.speed >= 0):
             raise DriverConfigError(
-                f"replay source {spec.name!r}: speed must be a finite number >= 0, "
-                f"got {spec.speed}"
+                f"replay source {spec.name!r}: speed must be a finite number >= 0, got {spec.speed}"
             )
         self.name = spec.name
         self.spec = spec
