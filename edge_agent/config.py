@@ -76,7 +76,7 @@ class RegisterSection(_Model):
     function: RegisterFunction = "holding"
     type: RegisterType = "uint16"
     order: WordOrder = "ABCD"
-    unit: Annotated[int, Field(ge=0, le=255)] | None = None
+    unit: Annotated[int, Field(ge=1, le=255)] | None = None
     scale: float = 1.0
     offset: float = 0.0
     deadband: Annotated[float, Field(ge=0)] = 0.0
@@ -95,7 +95,7 @@ class ModbusSection(_Model):
     parity: Literal["N", "E", "O"] = "E"
     stopbits: Literal[1, 2] = 1
     bytesize: Literal[7, 8] = 8
-    unit: Annotated[int, Field(ge=0, le=255)] = 1
+    unit: Annotated[int, Field(ge=1, le=255)] = 1
     poll_ms: PositiveMs = 100
     timeout_ms: PositiveMs = 500
     max_gap: Annotated[int, Field(ge=0, le=120)] = 8
