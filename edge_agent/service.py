@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from drivers.backoff import backoff_delay
 from drivers.buffer import SampleBuffer
 from drivers.errors import DriverError
@@ -166,6 +168,17 @@ class Agent:
             st.windows_skipped,
             "; ".join(f"{s.name}: {_brief(s.stats())}" for s in self.sources),
         )
+        if w is not None:
+            means = np.nanmean(w.values, axis=0) if not np.isnan(w.values).all() else None
+            if means is not None:
+                log.info(
+                    "last window %s: %s",
+                    w.seq,
+                    " ".join(
+                        f"{name}={m:.2f}{'(stale)' if stale else ''}"
+                        for name, m, stale in zip(w.signals, means, w.stale, strict=True)
+                    ),
+                )
 
     def status(self) -> dict[str, object]:
         """A JSON-ready snapshot: counters of perception, buffer and every source."""
