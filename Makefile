@@ -5,7 +5,10 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-edgefleet
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint typecheck unit demo bench check-arm64 clean
+TRAIN_VENV  := .venv-train
+TFLITE_VENV := .venv-tflite
+
+.PHONY: venv test lint typecheck unit test-tflite demo bench model check-arm64 clean
 
 ## venv: create .venv and install edgefleet with its dev tools (re-runs when pyproject changes)
 venv: $(STAMP)
@@ -31,6 +34,29 @@ typecheck: venv
 unit: venv
 	$(BIN)/pytest $(PYTEST_ARGS)
 
+## test-tflite: the model and reasoning tests again on the tflite_runtime backend (numpy < 2)
+test-tflite: $(TFLITE_VENV)/.installed-edgefleet
+	EDGEFLEET_TFLITE_BACKEND=tflite_runtime $(TFLITE_VENV)/bin/pytest $(PYTEST_ARGS) \
+		tests/test_model_runtime.py tests/test_model_card.py tests/test_reasoning.py tests/test_rules.py
+
+$(TFLITE_VENV)/.installed-edgefleet: pyproject.toml
+	@scripts/ensure-system-deps python3-venv
+	$(PYTHON) -m venv $(TFLITE_VENV)
+	$(TFLITE_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TFLITE_VENV)/bin/python -m pip install --quiet -e '.[dev,tflite]'
+	@touch $@
+
+## model: regenerate the training data, train, quantize to INT8 and rewrite models/motor_drive/
+model: $(TRAIN_VENV)/.installed-edgefleet
+	$(TRAIN_VENV)/bin/python -m models.train
+
+$(TRAIN_VENV)/.installed-edgefleet: pyproject.toml
+	@scripts/ensure-system-deps python3-venv
+	$(PYTHON) -m venv $(TRAIN_VENV)
+	$(TRAIN_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TRAIN_VENV)/bin/python -m pip install --quiet -e '.[train]'
+	@touch $@
+
 ## demo: start the plant simulator and the agent against it, show it, stop by itself
 demo: venv
 	$(BIN)/edge-agent check-config examples/agent.toml
@@ -47,4 +73,4 @@ check-arm64: venv
 	$(BIN)/python scripts/check_arm64.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf $(VENV) $(TRAIN_VENV) $(TFLITE_VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
