@@ -10,15 +10,20 @@ import asyncio
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from drivers.errors import DriverError
 from edge_agent import __version__
 from edge_agent.config import AgentConfig, load_config
-from edge_agent.errors import ConfigError
+from edge_agent.errors import ConfigError, ModelMismatch, ReasoningError
+from edge_agent.memory.cli import memory_app
+
+if TYPE_CHECKING:
+    from drivers.sim.plant import Anomaly
 
 app = typer.Typer(
     name="edge-agent",
@@ -27,6 +32,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+app.add_typer(memory_app, name="memory", help="Inspect, snapshot and restore the memory store.")
 
 ConfigOpt = Annotated[
     Path, typer.Option("--config", "-c", help="Agent config (TOML).", show_default=True)
@@ -64,6 +71,14 @@ def check_config(
             open_source(spec)
         except DriverError as exc:
             errors.append(f"sources {spec.name!r}: {exc}")
+    if cfg.reasoning.enabled:
+        from edge_agent.service import build_stage  # noqa: PLC0415 - loads the model
+
+        # The labels named by rules and thresholds are known only to the model.
+        try:
+            build_stage(cfg)
+        except ReasoningError as exc:
+            errors.append(str(exc))
     if errors:
         typer.echo(f"{file}: {len(errors)} error(s) in config", err=True)
         for e in errors:
@@ -93,12 +108,39 @@ def run(
     status_json: Annotated[
         bool, typer.Option("--status-json", help="Print a final JSON status on stdout.")
     ] = False,
+    anomaly: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="With --simulate: inject an anomaly into the simulated plant, "
+            "KIND:SIGNAL@START+DURATION[xMAGNITUDE], e.g. spike:current@3+10x8 "
+            "(plant seconds from the start). Repeatable.",
+        ),
+    ] = None,
 ) -> None:
-    """Run the agent: sources -> perception, logging windows/s, completeness and drops."""
+    """Run the agent: sources -> perception -> reasoning, logging rates, drops and alarms.
+
+    Exit codes: 2 for a bad config or a model that does not fit it, 1 for a model that
+    cannot be loaded or a runtime failure.
+    """
+    from drivers.sim.plant import parse_anomaly  # noqa: PLC0415
+
     cfg = _load_or_exit(config)
+    if anomaly and not simulate:
+        typer.echo("edge-agent run: --anomaly needs --simulate", err=True)
+        raise typer.Exit(2)
+    try:
+        anomalies = tuple(parse_anomaly(a) for a in anomaly or ())
+    except DriverError as exc:
+        typer.echo(f"edge-agent run: {exc}", err=True)
+        raise typer.Exit(2) from None
     _setup_logging(cfg.agent.log_level)
     try:
-        status = asyncio.run(_run(cfg, duration, simulate))
+        status = asyncio.run(_run(cfg, duration, simulate, anomalies))
+    except ReasoningError as exc:
+        typer.echo(f"edge-agent: {exc}", err=True)
+        # A model that does not fit the config is a config problem; one that does not load
+        # (corrupt, missing runtime) is a runtime failure.
+        raise typer.Exit(2 if isinstance(exc, ModelMismatch) else 1) from None
     except DriverError as exc:
         typer.echo(f"edge-agent: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -106,7 +148,12 @@ def run(
         typer.echo(json.dumps(status, indent=2, sort_keys=True))
 
 
-async def _run(cfg: AgentConfig, duration: float | None, simulate: bool) -> dict[str, object]:
+async def _run(
+    cfg: AgentConfig,
+    duration: float | None,
+    simulate: bool,
+    anomalies: Sequence[Anomaly] = (),
+) -> dict[str, object]:
     from edge_agent.service import Agent, run_until_signalled  # noqa: PLC0415
 
     agent = Agent(cfg)
@@ -123,6 +170,7 @@ async def _run(cfg: AgentConfig, duration: float | None, simulate: bool) -> dict
     can_spec = next((s for s in cfg.sources if isinstance(s, CanSpec)), None)
     async with PlantSimulator(
         seed=1,
+        anomalies=anomalies,
         modbus_host=modbus.host if modbus else "127.0.0.1",
         modbus_port=modbus.port if modbus else None,
         can_interface=can_spec.interface if can_spec else None,

@@ -12,11 +12,12 @@ paths (a DBC, a capture) are resolved against the config file's folder.
 
 from __future__ import annotations
 
+import math
 import socket
 import tomllib
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -33,8 +34,21 @@ from drivers.specs import (
     ReplaySpec,
     WordOrder,
 )
+from edge_agent.breaker import BreakerSpec, DegradedMode
 from edge_agent.errors import ConfigError
+from edge_agent.memory.config import MemorySection
 from edge_agent.perception import Interpolation, PerceptionSpec
+from edge_agent.rules import (
+    DROPOUT,
+    NORMAL,
+    Condition,
+    ConstraintRule,
+    HysteresisSpec,
+    Op,
+    RuleKind,
+    RuleSet,
+    Stat,
+)
 
 #: Refuse config files larger than this before parsing them.
 MAX_CONFIG_BYTES = 1 << 20
@@ -136,12 +150,76 @@ class SourcesSection(_Model):
     replay: list[ReplaySection] = Field(default_factory=list)
 
 
+class HysteresisSection(_Model):
+    raise_after: Annotated[int, Field(ge=1, le=1000)] = 2
+    clear_after: Annotated[int, Field(ge=1, le=1000)] = 3
+    margin: Annotated[float, Field(ge=0, lt=1)] = 0.1
+
+
+class BudgetSection(_Model):
+    perception: Annotated[float, Field(gt=0, le=60_000)] = 5.0
+    memory: Annotated[float, Field(gt=0, le=60_000)] = 2.0
+    reasoning: Annotated[float, Field(gt=0, le=60_000)] = 2.0
+
+
+class BreakerSection(_Model):
+    trip_after: Annotated[int, Field(ge=1, le=10_000)] = 3
+    recover_after: Annotated[int, Field(ge=1, le=10_000)] = 5
+    mode: DegradedMode = "every_k"
+    k: Annotated[int, Field(ge=2, le=10_000)] = 4
+    probe_every: Annotated[int, Field(ge=2, le=100_000)] = 10
+
+
+class RuleSection(_Model):
+    name: Name
+    kind: RuleKind
+    label: Name
+    signal: Name
+    stat: Stat = "mean"
+    op: Op
+    value: float
+
+
+class ReasoningSection(_Model):
+    enabled: bool = True
+    model_dir: Annotated[str, Field(min_length=1)] | None = None
+    backend: Literal["auto", "ai_edge_litert", "tflite_runtime"] = "auto"
+    threads: Annotated[int, Field(ge=1, le=64)] = 1
+    top_signals: Annotated[int, Field(ge=0, le=64)] = 3
+    thresholds: dict[Name, Annotated[float, Field(gt=0, le=1)]] = Field(default_factory=dict)
+    hysteresis: HysteresisSection = Field(default_factory=HysteresisSection)
+    budget_ms: BudgetSection = Field(default_factory=BudgetSection)
+    breaker: BreakerSection = Field(default_factory=BreakerSection)
+    rules: Annotated[list[RuleSection], Field(max_length=256)] = Field(default_factory=list)
+
+
 class AgentConfigModel(_Model):
     """The whole file. Field docs live in ``examples/agent.toml``."""
 
     agent: AgentSection = Field(default_factory=AgentSection)
     perception: PerceptionSection
     sources: SourcesSection
+    reasoning: ReasoningSection = Field(default_factory=ReasoningSection)
+    memory: MemorySection = Field(default_factory=MemorySection)
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningConfig:
+    """The ``[reasoning]`` section, converted.
+
+    ``model_dir`` None means the model committed with the agent
+    (:data:`models.DEFAULT_MODEL_DIR`); ``backend`` None means whichever runtime imports.
+    Labels named by ``rules`` and ``thresholds`` are checked against the model when it is
+    loaded (the config alone does not know them).
+    """
+
+    enabled: bool
+    model_dir: Path | None
+    backend: str | None
+    threads: int
+    rules: RuleSet
+    breaker: BreakerSpec
+    budget_ms: Mapping[str, float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +231,10 @@ class AgentConfig:
     perception: PerceptionSpec
     queue_size: int
     sources: tuple[ModbusSpec | CanSpec | ReplaySpec, ...]
+    reasoning: ReasoningConfig
+    memory: MemorySection
+    #: ``agent.state_dir`` resolved against the config file's folder.
+    state_dir: Path
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -354,6 +436,8 @@ def _check(model: AgentConfigModel, base: Path) -> list[str]:
             f"perception.rate_hz: expected a rate with a whole number of ns per step "
             f"(e.g. 50, 100, 200, 1000); got {per.rate_hz}"
         )
+    errors.extend(_check_reasoning(model.reasoning, per.signals))
+    errors.extend(model.memory.check(per.signals))
     seen: set[str] = set()
     for k, sig in enumerate(per.signals):
         if sig in seen:
@@ -363,6 +447,44 @@ def _check(model: AgentConfigModel, base: Path) -> list[str]:
             known = ", ".join(sorted(produced)) or "none"
             errors.append(
                 f"perception.signals[{k}]: {sig!r} is produced by no source; known: {known}"
+            )
+    return errors
+
+
+def _check_reasoning(rs: ReasoningSection, signals: Sequence[str]) -> list[str]:
+    errors: list[str] = []
+    names: dict[str, int] = {}
+    for i, rule in enumerate(rs.rules):
+        at = f"reasoning.rules[{i}]"
+        if rule.name in names:
+            errors.append(
+                f"{at}.name: {rule.name!r} is already used by reasoning.rules[{names[rule.name]}]"
+            )
+        else:
+            names[rule.name] = i
+        if rule.signal not in signals:
+            errors.append(
+                f"{at}.signal: expected one of the perception signals "
+                f"({', '.join(signals)}); got {rule.signal!r}"
+            )
+        if rule.label in (NORMAL, DROPOUT):
+            errors.append(
+                f"{at}.label: expected an alarm label of the model (not {NORMAL!r} or the "
+                f"built-in {DROPOUT!r}); got {rule.label!r}"
+            )
+        if not math.isfinite(rule.value):
+            errors.append(f"{at}.value: expected a finite number; got {rule.value!r}")
+    for label in rs.thresholds:
+        if label in (NORMAL, DROPOUT):
+            errors.append(
+                f"reasoning.thresholds.{label}: expected an alarm label of the model (not "
+                f"{NORMAL!r} or the built-in {DROPOUT!r}); got {label!r}"
+            )
+    for label, t in rs.thresholds.items():
+        if t - rs.hysteresis.margin <= 0 and label not in (NORMAL, DROPOUT):
+            errors.append(
+                f"reasoning.thresholds.{label}: expected more than hysteresis.margin "
+                f"({rs.hysteresis.margin:g}), or the alarm could never clear; got {t:g}"
             )
     return errors
 
@@ -462,6 +584,42 @@ def _convert(model: AgentConfigModel, path: Path, base: Path) -> AgentConfig:
                 prefix=rp.prefix,
             )
         )
+    rs = model.reasoning
+    rules = RuleSet(
+        constraints=tuple(
+            ConstraintRule(
+                name=r.name,
+                kind=r.kind,
+                label=r.label,
+                when=Condition(signal=r.signal, stat=r.stat, op=r.op, value=r.value),
+            )
+            for r in rs.rules
+        ),
+        hysteresis=HysteresisSpec(
+            raise_after=rs.hysteresis.raise_after,
+            clear_after=rs.hysteresis.clear_after,
+            margin=rs.hysteresis.margin,
+        ),
+        thresholds=dict(rs.thresholds),
+        top_k=rs.top_signals,
+    )
+    budgets = rs.budget_ms.model_dump()
+    reasoning = ReasoningConfig(
+        enabled=rs.enabled,
+        model_dir=_resolve(rs.model_dir, base) if rs.model_dir is not None else None,
+        backend=None if rs.backend == "auto" else rs.backend,
+        threads=rs.threads,
+        rules=rules,
+        breaker=BreakerSpec(
+            budget_us=rs.budget_ms.reasoning * 1000.0,
+            trip_after=rs.breaker.trip_after,
+            recover_after=rs.breaker.recover_after,
+            mode=rs.breaker.mode,
+            k=rs.breaker.k,
+            probe_every=rs.breaker.probe_every,
+        ),
+        budget_ms=budgets,
+    )
     return AgentConfig(
         path=path,
         agent=model.agent,
@@ -477,4 +635,7 @@ def _convert(model: AgentConfigModel, path: Path, base: Path) -> AgentConfig:
         ),
         queue_size=per.queue_size,
         sources=tuple(sources),
+        reasoning=reasoning,
+        memory=model.memory,
+        state_dir=_resolve(model.agent.state_dir, base),
     )

@@ -3,7 +3,12 @@
 ::
 
     AgentError
-    └── ConfigError      the config file is wrong; ``errors`` lists every problem found
+    ├── ConfigError      the config file is wrong; ``errors`` lists every problem found
+    └── ReasoningError   the model cannot serve this agent: it failed to load, or it does
+        │                not fit the perception signals / window / rules
+        ├── ModelMismatch  the model does not fit (signals, window, rate, rule labels);
+        │                  a swap is refused and the old model keeps serving
+        └── RulesError     (edge_agent.rules) a rule names a label the model does not have
 
 Errors of the drivers stay in their own tree (:class:`drivers.errors.DriverError`); the
 agent reports them per source and keeps running.
@@ -25,3 +30,15 @@ class ConfigError(AgentError):
         self.errors = errors
         lines = "\n".join(f"  {e}" for e in errors)
         super().__init__(f"{source}: {len(errors)} error(s) in config\n{lines}")
+
+
+class ReasoningError(AgentError):
+    """The reasoning stage cannot run with this model (at start: fatal, with this message)."""
+
+
+class ModelMismatch(ReasoningError):
+    """A model does not fit this agent: signals, window, rate or rule labels differ.
+
+    Raised by :meth:`edge_agent.reasoning.ReasoningStage.prepare` (so by a swap, too); the
+    serving model stays.
+    """

@@ -77,6 +77,30 @@ def test_good_config_converts_to_specs() -> None:
 def test_example_config_is_valid() -> None:
     cfg = load_config(Path(__file__).parents[1] / "examples" / "agent.toml")
     assert cfg.sources
+    assert cfg.reasoning.enabled
+    assert cfg.reasoning.rules.constraints
+
+
+def test_reasoning_section_converts() -> None:
+    text = (
+        GOOD
+        + RULE.replace("value = 4.0", "value = 4")
+        + (
+            "\n[reasoning]\nmodel_dir = 'm'\nbackend = 'tflite_runtime'\n"
+            "[reasoning.thresholds]\ndrift = 1\n"
+            "[reasoning.breaker]\nmode = 'rules_only'\n[reasoning.budget_ms]\nreasoning = 1.5\n"
+        )
+    )
+    rc = parse_config(text, base_dir=DATA).reasoning
+    assert rc.model_dir == DATA / "m"  # resolved against the config's folder
+    assert rc.backend == "tflite_runtime"
+    assert rc.rules.thresholds == {"drift": 1.0}  # an integer is a fine probability
+    (r,) = rc.rules.constraints
+    assert (r.name, r.kind, r.label, str(r.when)) == ("r", "exclude", "drift", "speed.mean < 4")
+    assert (rc.breaker.mode, rc.breaker.budget_us) == ("rules_only", 1500.0)
+    # Absent, the section means: the committed model, defaults everywhere.
+    default = parse_config(GOOD, base_dir=DATA).reasoning
+    assert (default.enabled, default.model_dir, default.backend) == (True, None, None)
 
 
 def replace(old: str, new: str) -> str:
@@ -188,6 +212,137 @@ BAD: list[tuple[str, str, str]] = [
         "[perception]\nsignals=['a']\n[[sources.modbus]]\nname='m'\nregisters=[]\n",
         "sources.modbus[0].registers: expected a list that should have at least 1 item after "
         "validation, not 0; got []",
+    ),
+]
+
+
+RULE = """
+[[reasoning.rules]]
+name = "r"
+kind = "exclude"
+label = "drift"
+signal = "speed"
+op = "<"
+value = 4.0
+"""
+
+
+def rule(old: str, new: str) -> str:
+    assert old in RULE, old
+    return GOOD + RULE.replace(old, new, 1)
+
+
+BAD += [
+    (
+        "unknown reasoning key",
+        GOOD + "\n[reasoning]\nmodeldir = 'x'\n",
+        "reasoning.modeldir: unknown key; expected one of: enabled, model_dir, backend, "
+        "threads, top_signals, thresholds, hysteresis, budget_ms, breaker, rules",
+    ),
+    (
+        "unknown backend",
+        GOOD + "\n[reasoning]\nbackend = 'tensorrt'\n",
+        "reasoning.backend: expected one of 'auto', 'ai_edge_litert' or 'tflite_runtime'; "
+        "got 'tensorrt'",
+    ),
+    (
+        "threads as a string",
+        GOOD + "\n[reasoning]\nthreads = '2'\n",
+        "reasoning.threads: expected a valid integer; got '2'",
+    ),
+    (
+        "threshold above 1",
+        GOOD + "\n[reasoning.thresholds]\ndrift = 1.5\n",
+        "reasoning.thresholds.drift: expected less than or equal to 1; got 1.5",
+    ),
+    (
+        "threshold for normal",
+        GOOD + "\n[reasoning.thresholds]\nnormal = 0.5\n",
+        "reasoning.thresholds.normal: expected an alarm label of the model (not 'normal' or "
+        "the built-in 'dropout'); got 'normal'",
+    ),
+    (
+        "threshold inside the hysteresis margin",
+        GOOD + "\n[reasoning.thresholds]\ndrift = 0.05\n",
+        "reasoning.thresholds.drift: expected more than hysteresis.margin (0.1), or the alarm "
+        "could never clear; got 0.05",
+    ),
+    (
+        "raise_after zero",
+        GOOD + "\n[reasoning.hysteresis]\nraise_after = 0\n",
+        "reasoning.hysteresis.raise_after: expected greater than or equal to 1; got 0",
+    ),
+    (
+        "margin of 1",
+        GOOD + "\n[reasoning.hysteresis]\nmargin = 1.0\n",
+        "reasoning.hysteresis.margin: expected less than 1; got 1.0",
+    ),
+    (
+        "zero budget",
+        GOOD + "\n[reasoning.budget_ms]\nreasoning = 0\n",
+        "reasoning.budget_ms.reasoning: expected greater than 0; got 0",
+    ),
+    (
+        "budget for an unknown stage",
+        GOOD + "\n[reasoning.budget_ms]\nuplink = 1.0\n",
+        "reasoning.budget_ms.uplink: unknown key; expected one of: perception, memory, reasoning",
+    ),
+    (
+        "unknown breaker mode",
+        GOOD + "\n[reasoning.breaker]\nmode = 'skip'\n",
+        "reasoning.breaker.mode: expected one of 'every_k' or 'rules_only'; got 'skip'",
+    ),
+    (
+        "every_k with k = 1",
+        GOOD + "\n[reasoning.breaker]\nk = 1\n",
+        "reasoning.breaker.k: expected greater than or equal to 2; got 1",
+    ),
+    (
+        "unknown rule kind",
+        rule('kind = "exclude"', 'kind = "forbid"'),
+        "reasoning.rules[0].kind: expected one of 'exclude' or 'require'; got 'forbid'",
+    ),
+    (
+        "unknown operator",
+        rule('op = "<"', 'op = "=="'),
+        "reasoning.rules[0].op: expected one of '<', '<=', '>' or '>='; got '=='",
+    ),
+    (
+        "unknown statistic",
+        rule('op = "<"', 'op = "<"\nstat = "median"'),
+        "reasoning.rules[0].stat: expected one of 'mean', 'min', 'max' or 'last'; got 'median'",
+    ),
+    (
+        "rule on a signal perception does not have",
+        rule('signal = "speed"', 'signal = "temperature"'),
+        "reasoning.rules[0].signal: expected one of the perception signals (voltage, speed); "
+        "got 'temperature'",
+    ),
+    (
+        "rule value as a string",
+        rule("value = 4.0", 'value = "4"'),
+        "reasoning.rules[0].value: expected a valid number; got '4'",
+    ),
+    (
+        "rule value not finite",
+        rule("value = 4.0", "value = nan"),
+        "reasoning.rules[0].value: expected a finite number; got nan",
+    ),
+    (
+        "rule on the normal label",
+        rule('label = "drift"', 'label = "normal"'),
+        "reasoning.rules[0].label: expected an alarm label of the model (not 'normal' or the "
+        "built-in 'dropout'); got 'normal'",
+    ),
+    (
+        "rule without an operator",
+        rule('op = "<"\n', ""),
+        "reasoning.rules[0].op: required key is missing",
+    ),
+    (
+        "two rules with one name",
+        GOOD + RULE + RULE.replace('label = "drift"', 'label = "spike"'),
+        "reasoning.rules[1].name: 'r' is already used by reasoning.rules[0]",
     ),
 ]
 

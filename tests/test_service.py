@@ -1,18 +1,27 @@
 """The agent end to end: the plant simulator's real Modbus server and CAN bus -> windows."""
 
 import asyncio
+import dataclasses
 import json
+import logging
 import socket
+import tempfile
 import uuid
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
+from bench.hot_swap import copy_with_new_sha
+from drivers.sim.plant import parse_anomaly
 from drivers.sim.server import PlantSimulator
 from edge_agent.cli import app
 from edge_agent.config import AgentConfig, parse_config
+from edge_agent.errors import ModelMismatch, ReasoningError
 from edge_agent.perception import Window
+from edge_agent.rules import Decision
 from edge_agent.service import Agent
+from models import load_model
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
@@ -24,8 +33,18 @@ def free_port() -> int:
         return port
 
 
+def example_text() -> str:
+    """The example config with its state (memory store) in a fresh temporary folder."""
+    state = tempfile.mkdtemp(prefix="edge-agent-state-")
+    return (
+        (EXAMPLES / "agent.toml")
+        .read_text()
+        .replace('state_dir = "../var/demo-gw-01"', f'state_dir = "{state}"')
+    )
+
+
 def example_config(port: int, channel: str) -> AgentConfig:
-    text = (EXAMPLES / "agent.toml").read_text()
+    text = example_text()
     text = text.replace("port = 15020", f"port = {port}").replace(
         'channel = "edgefleet-demo"', f'channel = "{channel}"'
     )
@@ -66,6 +85,159 @@ def test_agent_turns_simulated_plant_into_complete_windows() -> None:
     assert isinstance(sources, dict)
     assert sources["drive-modbus"]["samples"] > 0
     assert sources["drive-can"]["samples"] > 0
+
+
+class Collect(logging.Handler):
+    """Keeps the records of one logger (caplog's root handler misses a set level)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def run_agent_with_anomaly(
+    anomaly: str, seconds: float
+) -> tuple[list[Window], list[Decision], dict[str, object], str]:
+    """The example agent against the simulator (plant time from 20 s: the motor runs)."""
+    port, channel = free_port(), f"svc-{uuid.uuid4().hex[:8]}"
+    cfg = example_config(port, channel)
+    windows: list[Window] = []
+    decisions: list[Decision] = []
+
+    async def main() -> dict[str, object]:
+        agent = Agent(cfg, on_window=windows.append, on_decision=decisions.append)
+        stop = asyncio.Event()
+        async with PlantSimulator(
+            seed=3,
+            anomalies=[parse_anomaly(anomaly)],
+            start_at_s=20.0,
+            modbus_port=port,
+            can_channel=channel,
+        ):
+            asyncio.get_running_loop().call_later(seconds, stop.set)
+            await agent.run(stop)
+        return agent.status()
+
+    handler = Collect()
+    logger = logging.getLogger("edge_agent.service")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        status = asyncio.run(main())
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    return windows, decisions, status, "\n".join(r.getMessage() for r in handler.records)
+
+
+def test_agent_decides_about_every_window() -> None:
+    windows, decisions, status, log_text = run_agent_with_anomaly("spike:current@21+30x8", 5.0)
+    assert len(decisions) == len(windows) >= 6
+    assert [d.window_seq for d in decisions] == [w.seq for w in windows]
+    sha = load_model().sha256
+    for d in decisions:
+        assert set(d.stage_latency_ms) == {"perception", "memory", "reasoning"}
+        assert 0.0 < d.stage_latency_ms["memory"] < 50.0
+        assert 0.0 < d.stage_latency_ms["perception"] < 50.0
+        assert 0.0 < d.stage_latency_ms["reasoning"] < 50.0
+        assert d.model_sha256 == sha
+        assert d.model_ran
+        json.dumps(d.to_json(), allow_nan=False)
+    memory = status["memory"]
+    assert isinstance(memory, dict)
+    assert memory["windows"] == len(windows)
+    assert memory["decisions"] == len(decisions)
+    reasoning = status["reasoning"]
+    assert isinstance(reasoning, dict)
+    assert reasoning["decisions"] == len(decisions)
+    assert sum(reasoning["labels"].values()) == len(decisions)
+    assert reasoning["queue"]["dropped"] == 0
+    assert reasoning["model"]["sha256"] == sha
+    assert reasoning["breaker"]["mode"] == "full"
+    assert reasoning["latency_us"]["reasoning"]["p99"] > 0
+    # Alarms and label changes are logged at INFO with the window and the model.
+    if any(d.raised for d in decisions):
+        assert "RAISED=" in log_text
+    assert f"model={sha[:12]}" in log_text
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the model is trained on values sampled every 10 ms at full float precision; "
+    "through the field buses (Modbus polled at 100-200 ms with deadband and 0.1 degC steps, "
+    "CAN at 10-20 ms and DBC resolution) values repeat on the 100 Hz grid and every live "
+    "window reads as 'stuck'. Turns into a pass (and, strict, a failure to remove this mark) "
+    "once the model is trained on windows as the agent acquires them.",
+)
+def test_a_simulated_spike_is_the_alarm_through_the_field_buses() -> None:
+    _, decisions, _, log_text = run_agent_with_anomaly("spike:current@21+30x8", 6.0)
+    assert {d.label for d in decisions} <= {"normal", "spike"}, [d.label for d in decisions]
+    spikes = [d for d in decisions if d.label == "spike"]
+    assert spikes
+    assert spikes[0].top_signals[0][0] == "current"
+    assert "RAISED=spike" in log_text
+
+
+def test_reload_model_swaps_between_windows(tmp_path: Path) -> None:
+    port, channel = free_port(), f"svc-{uuid.uuid4().hex[:8]}"
+    cfg = example_config(port, channel)
+    other = copy_with_new_sha(tmp_path / "b", "reload")
+    corrupt = copy_with_new_sha(tmp_path / "bad", "bad")
+    (corrupt / "model.tflite").write_bytes(b"\0" * 64)
+    decisions: list[Decision] = []
+    errors: list[str] = []
+
+    async def main() -> None:
+        agent = Agent(cfg, on_decision=decisions.append)
+        stop = asyncio.Event()
+
+        async def swap_later() -> None:
+            await asyncio.sleep(2.0)
+            await agent.reload_model(other)
+            try:
+                await agent.reload_model(corrupt)
+            except ReasoningError as exc:
+                errors.append(str(exc))
+            await asyncio.sleep(1.5)
+            stop.set()
+
+        async with (
+            PlantSimulator(seed=3, modbus_port=port, can_channel=channel),
+            asyncio.TaskGroup() as tg,
+        ):
+            tg.create_task(swap_later())
+            await agent.run(stop)
+
+    asyncio.run(main())
+    old_sha, new_sha = load_model().sha256, load_model(other).sha256
+    shas = [d.model_sha256 for d in decisions]
+    assert [d.window_seq for d in decisions] == list(range(1, len(decisions) + 1))
+    # One switch, between two windows, and the rejected model never served.
+    switch = shas.index(new_sha)
+    assert switch > 0
+    assert shas == [old_sha] * switch + [new_sha] * (len(shas) - switch)
+    assert errors
+    assert "reasoning: cannot load" in errors[0]
+    assert "size" in errors[0] or "sha256" in errors[0]
+
+
+def test_a_model_that_cannot_load_is_fatal_at_start(tmp_path: Path) -> None:
+    cfg = example_config(free_port(), "unused")
+    missing = dataclasses.replace(
+        cfg, reasoning=dataclasses.replace(cfg.reasoning, model_dir=tmp_path / "nope")
+    )
+    with pytest.raises(ReasoningError, match=r"reasoning: cannot load .*nope.*manifest"):
+        Agent(missing)
+    # A model that loads but does not fit the perception grid is a config error.
+    short = dataclasses.replace(
+        cfg, perception=dataclasses.replace(cfg.perception, window=32, hop=32)
+    )
+    with pytest.raises(ModelMismatch, match="does not fit this config"):
+        Agent(short)
 
 
 def test_a_dead_modbus_port_does_not_stop_can() -> None:
@@ -110,8 +282,7 @@ def test_cli_check_config_ok_and_errors(tmp_path: Path) -> None:
 
     bad = tmp_path / "agent.toml"
     bad.write_text(
-        (EXAMPLES / "agent.toml")
-        .read_text()
+        example_text()
         .replace("port = 15020", 'port = "15020"')
         .replace('dbc = "../drivers/sim/motor_drive.dbc"', f'dbc = "{EXAMPLES.parent}/README.md"')
     )
@@ -125,9 +296,7 @@ def test_cli_check_config_reports_a_dbc_that_does_not_parse(tmp_path: Path) -> N
     junk = tmp_path / "junk.dbc"
     junk.write_text("this is not a DBC\n")
     bad.write_text(
-        (EXAMPLES / "agent.toml")
-        .read_text()
-        .replace('dbc = "../drivers/sim/motor_drive.dbc"', f'dbc = "{junk}"')
+        example_text().replace('dbc = "../drivers/sim/motor_drive.dbc"', f'dbc = "{junk}"')
     )
     res = runner.invoke(app, ["check-config", str(bad)])
     assert res.exit_code == 2
@@ -138,7 +307,7 @@ def test_cli_check_config_reports_a_dbc_that_does_not_parse(tmp_path: Path) -> N
 def test_cli_run_with_simulator_prints_status(tmp_path: Path) -> None:
     port, channel = free_port(), f"cli-{uuid.uuid4().hex[:8]}"
     cfg = tmp_path / "agent.toml"
-    text = (EXAMPLES / "agent.toml").read_text()
+    text = example_text()
     text = text.replace("port = 15020", f"port = {port}")
     text = text.replace('channel = "edgefleet-demo"', f'channel = "{channel}"')
     text = text.replace(
@@ -147,9 +316,31 @@ def test_cli_run_with_simulator_prints_status(tmp_path: Path) -> None:
     )
     cfg.write_text(text)
     res = runner.invoke(
-        app, ["run", "-c", str(cfg), "--simulate", "--duration", "2.5", "--status-json"]
+        app,
+        [
+            "run",
+            "-c",
+            str(cfg),
+            "--simulate",
+            "--duration",
+            "2.5",
+            "--status-json",
+            "--anomaly",
+            "spike:vibration@0.5+10x3",
+        ],
     )
     assert res.exit_code == 0, res.output
     status = json.loads(res.stdout[res.stdout.index("{") :])
     assert status["windows"] >= 2
     assert status["buffer"]["dropped"] == 0
+    assert status["reasoning"]["decisions"] == status["windows"]
+
+
+def test_cli_run_rejects_a_bad_anomaly(tmp_path: Path) -> None:
+    cfg = EXAMPLES / "agent.toml"
+    res = runner.invoke(app, ["run", "-c", str(cfg), "--simulate", "--anomaly", "spike:x@1+2"])
+    assert res.exit_code == 2
+    assert "unknown signal 'x'" in res.output
+    res = runner.invoke(app, ["run", "-c", str(cfg), "--anomaly", "stuck:speed@1+2"])
+    assert res.exit_code == 2
+    assert "--anomaly needs --simulate" in res.output

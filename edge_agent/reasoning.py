@@ -1,0 +1,511 @@
+"""The reasoning stage: window -> INT8 model -> masks -> hysteresis -> attribution -> Decision.
+
+:class:`ReasoningStage` is synchronous and does no I/O: the model's ``invoke()`` takes tens
+of microseconds, so the agent calls :meth:`ReasoningStage.process` inline on the event loop
+(STYLE.md #9). It times itself with ``time.perf_counter_ns`` (injectable) and feeds the time
+to its :class:`~edge_agent.breaker.Breaker`, which decides whether the model runs on the
+next window. Rules, masks and hysteresis live in :mod:`edge_agent.rules`.
+
+Attribution (``Decision.top_signals``)
+--------------------------------------
+Only when the verdict is an alarm label do we pay for an explanation: occlusion, one extra
+model run per signal. Signal ``i`` is replaced by a *normal-looking* column and the drop of
+the winning label's probability is its contribution; signals whose replacement does not
+lower it are left out. The replacement depends on what kind of fault won:
+
+* a *level* fault (``drift``): the signal's normal mean from the manifest, plus noise of
+  its normal step size;
+* any other label (``spike``, ``stuck``, ``noise``: faults of the dynamics): the window's
+  own median of the signal (same operating point), plus noise of its normal step size.
+
+Why not a constant "normal mean" column, the textbook occlusion: the model sees step
+differences, and a flat column is exactly what ``stuck`` looks like. Measured on 812
+correctly classified held-out windows of ``models.dataset`` (top-1 = the anomalous signal):
+constant mean 0.24 / 0.21 / 0.16 / 0.02 (noise / spike / drift / stuck); the scheme above
+1.00 / 0.99 / 0.40 / 1.00 (the drift reference alone gets 0.63 / 0.62 / 0.40 / 0.99, the
+median reference alone 1.00 / 0.99 / 0.10 / 1.00). Drift stays the hard one: an offset is
+only visible against the other signals, which occlusion perturbs one at a time.
+
+Dropout: perception holds a stale signal's last value, and a flat column is what the model
+calls ``stuck``. Before scoring, each held column is replaced the same way (its median plus
+normal step noise): the ``dropout`` rule names the dead signal; the model judges the others.
+A column is held when its signal is stale at the window's end, or was stale at the end of
+the previous window (it came back during this one: the start is still the held value).
+
+On the ``normal`` path ``top_signals`` is empty (``attribution = "none"``): explanations
+matter for alarms, and the normal path must stay within its ~100 µs budget.
+
+Hot swap
+--------
+:meth:`ReasoningStage.prepare` checks a loaded model against the perception signals, the
+window length and the rules, and compiles the rules for its labels; :meth:`ReasoningStage.swap`
+then replaces the serving model with one reference assignment. ``process`` reads that
+reference once per window, so each window is scored entirely by the old model or entirely
+by the new one, and every decision records the sha256 of the model that scored it. Loading
+and checking (file I/O, :class:`~models.errors.ModelRejected`) happen before, outside the
+stage: a model that fails to load never reaches it and the old one keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from edge_agent.breaker import Breaker, BreakerSpec
+from edge_agent.errors import ModelMismatch
+from edge_agent.perception import PerceptionSpec, Window
+from edge_agent.rules import (
+    DROPOUT,
+    NORMAL,
+    AlarmTracker,
+    CompiledRules,
+    Decision,
+    Level,
+    RulesError,
+    RuleSet,
+    dropout_finding,
+)
+from models import ModelManifest
+
+FloatArray = npt.NDArray[np.float32]
+T = TypeVar("T")
+
+#: Latencies kept for the P50/P99 in :meth:`ReasoningStage.stats` (the most recent ones).
+LATENCY_HISTORY = 2048
+
+
+class Scorer(Protocol):
+    """What the stage needs of a model; :class:`models.LoadedModel` is one."""
+
+    @property
+    def manifest(self) -> ModelManifest: ...
+    @property
+    def sha256(self) -> str: ...
+    def predict(self, values: npt.NDArray[Any]) -> FloatArray: ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PreparedModel:
+    """A model checked against this stage, with its rules compiled: what a swap installs."""
+
+    model: Scorer
+    rules: CompiledRules
+    #: Perception columns in the model's signal order; None when they are the same.
+    columns: npt.NDArray[np.intp] | None
+    signals: tuple[str, ...]
+    #: Per-signal normal mean (manifest) and a fixed pattern of normal step noise, for
+    #: occlusion (see the module docstring).
+    normal_mean: FloatArray
+    step_noise: FloatArray
+
+    @property
+    def sha256(self) -> str:
+        return self.model.sha256
+
+    @property
+    def version(self) -> str:
+        return self.model.manifest.version
+
+
+class DropOldestQueue(Generic[T]):
+    """A bounded FIFO for one asyncio consumer: a full queue drops its oldest item.
+
+    Why drop the oldest: a window that waited behind a newer one is already late; the
+    newest one is what the plant is doing now. Drops are counted in :attr:`dropped`.
+    """
+
+    def __init__(self, maxlen: int = 2) -> None:
+        if maxlen < 1:
+            raise ValueError("maxlen must be >= 1")
+        self.maxlen = maxlen
+        self._items: deque[T] = deque()
+        self._ready = asyncio.Event()
+        self.dropped = 0
+        self.put_total = 0
+        self.high_water = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, item: T) -> T | None:
+        """Append ``item``; returns the item dropped to make room, if any."""
+        dropped = None
+        if len(self._items) >= self.maxlen:
+            dropped = self._items.popleft()
+            self.dropped += 1
+        self._items.append(item)
+        self.put_total += 1
+        self.high_water = max(self.high_water, len(self._items))
+        self._ready.set()
+        return dropped
+
+    def get_nowait(self) -> T | None:
+        """The oldest item, or None when empty."""
+        return self._items.popleft() if self._items else None
+
+    async def get(self) -> T:
+        """Wait for and remove the oldest item."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
+@dataclass(slots=True)
+class StageStats:
+    """Counters of one stage; latencies are the most recent :data:`LATENCY_HISTORY`."""
+
+    decisions: int = 0
+    model_runs: int = 0
+    attributions: int = 0
+    swaps: int = 0
+    swaps_refused: int = 0
+    labels: Counter[str] = field(default_factory=Counter)
+    #: Windows scored per model sha256 (a hot swap shows up here).
+    by_model: Counter[str] = field(default_factory=Counter)
+    reasoning_us: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_HISTORY))
+    perception_us: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_HISTORY))
+
+
+def percentiles(samples: Sequence[float] | deque[float]) -> dict[str, float]:
+    """P50/P99/max of ``samples`` (0 when empty), rounded to 0.1."""
+    if not samples:
+        return {"p50": 0.0, "p99": 0.0, "max": 0.0}
+    arr = np.fromiter(samples, dtype=np.float64, count=len(samples))
+    p50, p99 = np.percentile(arr, [50, 99])
+    return {"p50": round(float(p50), 1), "p99": round(float(p99), 1), "max": round(arr.max(), 1)}
+
+
+class ReasoningStage:
+    """Scores windows with the serving model under rules, hysteresis and a breaker.
+
+    ``perception`` gives the window's signals, length and rate (default: the model's own,
+    for benches and tests that build windows from the model's signal list). The model's
+    signals must all be perception signals (columns are picked by name) and its window and
+    rate must match; the rules' labels must be alarm labels of the model. ``timer`` is the
+    monotonic ns clock the stage times itself with.
+    """
+
+    def __init__(
+        self,
+        model: Scorer,
+        rules: RuleSet,
+        *,
+        perception: PerceptionSpec | None = None,
+        breaker: BreakerSpec | None = None,
+        timer: Callable[[], int] = time.perf_counter_ns,
+    ) -> None:
+        m = model.manifest
+        self.perception = perception or PerceptionSpec(
+            signals=m.signals, rate_hz=m.rate_hz, window=m.window, hop=m.window
+        )
+        self.rules = rules
+        self.breaker = Breaker(breaker or BreakerSpec())
+        self.timer = timer
+        self.stats = StageStats()
+        self._active = self.prepare(model)
+        self._seen = self._active
+        self.tracker = AlarmTracker(rules.hysteresis)
+        self._held: tuple[str, float] = (NORMAL, float("nan"))
+        # Trace ids: 16 random hex digits per stage instance + a counter, 32 in all like a
+        # uuid4 hex, unique across restarts, and ~10x cheaper than uuid4() per window.
+        self._trace_prefix = uuid.uuid4().hex[:16]
+        self._trace = 0
+        # Stale flags of the previous window when any was set (see _held_signals).
+        self._prev_stale: npt.NDArray[np.bool_] | None = None
+        self._prev_seq = -1
+
+    # -- models ---------------------------------------------------------------------------
+
+    @property
+    def model(self) -> Scorer:
+        """The model serving now."""
+        return self._active.model
+
+    def prepare(self, model: Scorer) -> PreparedModel:
+        """Check ``model`` against this stage and compile the rules for it.
+
+        Raises :class:`ModelMismatch` naming every difference. Then it runs the model once
+        on a window of normal means: the first invoke of an interpreter allocates and takes
+        milliseconds, which would otherwise land on a live window (and the breaker).
+
+        Safe to call from any thread (it only reads the stage's configuration) as long as
+        ``model`` is not serving elsewhere at the same time: do it where the model was
+        loaded, so that the loop pays only for :meth:`swap`.
+        """
+        m = model.manifest
+        per = self.perception
+        errors: list[str] = []
+        missing = [s for s in m.signals if s not in per.signals]
+        if missing:
+            errors.append(
+                f"model signals {list(m.signals)} are not all perception signals "
+                f"{list(per.signals)} (missing: {', '.join(missing)})"
+            )
+        if m.window != per.window:
+            errors.append(f"model window is {m.window} steps, perception.window is {per.window}")
+        if abs(m.rate_hz - per.rate_hz) > 1e-9 * per.rate_hz:
+            errors.append(f"model rate is {m.rate_hz:g} Hz, perception.rate_hz is {per.rate_hz:g}")
+        if DROPOUT in m.labels:
+            errors.append(f"model label {DROPOUT!r} clashes with the built-in rule")
+        compiled = None
+        try:
+            compiled = self.rules.compile(m.labels, per.signals, m.thresholds)
+        except RulesError as exc:
+            errors.append(str(exc))
+        if errors or compiled is None:
+            raise ModelMismatch(
+                f"model {m.name} {m.version} ({model.sha256[:12]}): " + "; ".join(errors)
+            )
+        columns = None
+        if m.signals != per.signals:
+            columns = np.array([per.signals.index(s) for s in m.signals], dtype=np.intp)
+        mean, noise = _occlusion_constants(m)
+        model.predict(mean + noise)  # warm-up, see above
+        return PreparedModel(
+            model=model,
+            rules=compiled,
+            columns=columns,
+            signals=m.signals,
+            normal_mean=mean,
+            step_noise=noise,
+        )
+
+    def swap(self, prepared: PreparedModel) -> Scorer:
+        """Install ``prepared`` between two windows; returns the model it replaced.
+
+        One reference assignment: :meth:`process` reads the reference once per window, so
+        this may run on another thread than ``process`` (e.g. an OTA worker).
+        """
+        if prepared.rules.signals != self.perception.signals:
+            raise ModelMismatch("prepared for another stage (different perception signals)")
+        old = self._active
+        self._active = prepared
+        self.stats.swaps += 1
+        return old.model
+
+    def swap_model(self, model: Scorer) -> Scorer:
+        """:meth:`prepare` then :meth:`swap`. On :class:`ModelMismatch` the old model stays."""
+        try:
+            prepared = self.prepare(model)
+        except ModelMismatch:
+            self.stats.swaps_refused += 1
+            raise
+        return self.swap(prepared)
+
+    # -- the hot path ---------------------------------------------------------------------
+
+    def process(
+        self,
+        window: Window,
+        now_ns: int,
+        perception_ms: float = 0.0,
+        memory_ms: float = 0.0,
+    ) -> Decision:
+        """Decide about one window. ``now_ns`` (UNIX ns) becomes the decision's ``t_ns``."""
+        t0 = self.timer()
+        active = self._active  # read once: a swap never splits a window
+        if active is not self._seen:
+            # First window of a swapped-in model. Alarm states of labels it does not have
+            # could never clear: drop them (done here, not in swap(), so that swap() stays
+            # a single assignment).
+            self._seen = active
+            self.tracker.forget((*active.rules.labels, DROPOUT))
+        rules = active.rules
+        breaker = self.breaker
+        mode = breaker.mode
+        allowed, fired = rules.masks(window.values)
+        finding = dropout_finding(window.signals, window.stale)
+        if finding is not None:
+            fired.append(finding)
+        levels: dict[str, Level] = {DROPOUT: Level.BELOW if finding is None else Level.ABOVE}
+        probabilities: dict[str, float] = {}
+        top: tuple[tuple[str, float], ...] = ()
+        attribution = "none"
+        ran = breaker.should_run()
+        if ran:
+            values = window.values if active.columns is None else window.values[:, active.columns]
+            held = self._held_signals(window)
+            if held is not None:
+                values = _neutralise_stale(active, values, held, active.columns)
+            probs = active.model.predict(values)
+            plist = probs.tolist()
+            label, score = rules.winner(plist, allowed)
+            levels.update(rules.levels(plist, allowed))
+            probabilities = dict(zip(rules.labels, plist, strict=True))
+            self._held = (label, score)
+            if label != NORMAL and rules.top_k:
+                top = _occlusion(active, values, label, score)
+                attribution = "occlusion"
+        else:
+            label, score = self._held
+        # Remembered whether or not the model ran: the next window needs it either way.
+        self._prev_seq = window.seq
+        self._prev_stale = window.stale if finding is not None else None
+        alarms, raised, cleared = self.tracker.update(levels)
+        elapsed_us = (self.timer() - t0) / 1000.0
+        breaker.record(elapsed_us if ran else None)
+
+        st = self.stats
+        st.decisions += 1
+        st.model_runs += ran
+        st.attributions += attribution == "occlusion"
+        st.labels[label] += 1
+        st.by_model[active.sha256] += ran
+        st.reasoning_us.append(elapsed_us)
+        st.perception_us.append(perception_ms * 1000.0)
+        self._trace += 1
+        return Decision(
+            trace_id=f"{self._trace_prefix}{self._trace:016x}",
+            t_ns=now_ns,
+            window_seq=window.seq,
+            window_start_ns=window.start_ns,
+            model_sha256=active.sha256,
+            model_version=active.version,
+            model_ran=ran,
+            label=label,
+            score=score,
+            probabilities=probabilities,
+            alarms=alarms,
+            raised=raised,
+            cleared=cleared,
+            rules_fired=tuple(fired),
+            top_signals=top,
+            attribution=attribution,
+            mode=mode,
+            stage_latency_ms={
+                "perception": perception_ms,
+                "memory": memory_ms,
+                "reasoning": elapsed_us / 1000.0,
+            },
+        )
+
+    def _held_signals(self, window: Window) -> npt.NDArray[np.bool_] | None:
+        """Signals whose column is (partly) a held value, or None when there are none.
+
+        ``stale`` is the state at the window's last point. A signal stale at the end of the
+        previous window and fresh again now was still held at the start of this one.
+        """
+        prev = self._prev_stale
+        if prev is not None and window.seq == self._prev_seq + 1:
+            return window.stale | prev
+        return window.stale if window.stale.any() else None
+
+    # -- reporting ------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, object]:
+        """JSON-ready counters, the breaker, the serving model and latency percentiles."""
+        st = self.stats
+        m = self._active.model.manifest
+        return {
+            "decisions": st.decisions,
+            "model_runs": st.model_runs,
+            "attributions": st.attributions,
+            "labels": dict(st.labels),
+            "alarms_active": sorted(self.tracker.active()),
+            "alarms_raised": self.tracker.raised_total,
+            "alarms_cleared": self.tracker.cleared_total,
+            "breaker": self.breaker.snapshot(),
+            "model": {"name": m.name, "version": m.version, "sha256": self._active.sha256},
+            "by_model": dict(st.by_model),
+            "swaps": st.swaps,
+            "swaps_refused": st.swaps_refused,
+            "latency_us": {
+                "perception": percentiles(st.perception_us),
+                "reasoning": percentiles(st.reasoning_us),
+            },
+        }
+
+
+def _neutralise_stale(
+    active: PreparedModel,
+    values: FloatArray,
+    stale: npt.NDArray[np.bool_],
+    columns: npt.NDArray[np.intp] | None,
+) -> FloatArray:
+    """``values`` with every stale signal replaced by its median plus normal step noise.
+
+    Perception holds a dead signal's last value, and a flat column is what the model calls
+    ``stuck``: the ``dropout`` rule reports the signal, the model judges the live ones.
+    """
+    flags = stale if columns is None else stale[columns]
+    x = np.array(values, dtype=np.float32, copy=True)
+    mean = active.normal_mean
+    for i in np.flatnonzero(flags).tolist():
+        col = x[:, i]
+        finite = col[~np.isnan(col)]
+        level = float(np.median(finite)) if finite.size else float(mean[i])
+        x[:, i] = level + active.step_noise[:, i]
+    return x
+
+
+#: Labels that are faults of a signal's level rather than of its dynamics: occlusion
+#: replaces the signal with its normal mean instead of the window's own median.
+LEVEL_LABELS = frozenset({"drift"})
+
+
+def _occlusion(
+    active: PreparedModel, values: FloatArray, label: str, base: float
+) -> tuple[tuple[str, float], ...]:
+    """Contribution of each signal to ``label`` (see the module docstring)."""
+    x = np.array(values, dtype=np.float32, copy=True)
+    mean = active.normal_mean
+    if label in LEVEL_LABELS:
+        ref = mean + active.step_noise
+    else:
+        # A never-seen signal (NaN) sits at its normal mean, as the model's features see it.
+        level = np.median(np.where(np.isnan(x), mean, x), axis=0)
+        ref = level + active.step_noise
+    index = active.rules.labels.index(label)
+    model = active.model
+    drops: list[tuple[str, float]] = []
+    for i, name in enumerate(active.signals):
+        saved = x[:, i].copy()
+        x[:, i] = ref[:, i]
+        drop = base - float(model.predict(x)[index])
+        x[:, i] = saved
+        if drop > 0.0:
+            drops.append((name, drop))
+    drops.sort(key=lambda d: d[1], reverse=True)
+    return tuple(drops[: active.rules.top_k])
+
+
+def _occlusion_constants(m: ModelManifest) -> tuple[FloatArray, FloatArray]:
+    """Normal means, and i.i.d. noise of std ``diff_scale / sqrt(2)`` (fixed seed).
+
+    Such noise has step differences of std ``diff_scale``: the normal step noise the
+    model's diff channels are scaled by, so an occluded signal looks neither stuck nor noisy.
+    """
+    rng = np.random.default_rng(0)
+    mean = np.asarray([m.mean[s] for s in m.signals], dtype=np.float32)
+    step = np.asarray(m.features.diff_scale, dtype=np.float64) / np.sqrt(2.0)
+    noise = (rng.standard_normal((m.window, len(m.signals))) * step).astype(np.float32)
+    return mean, noise
+
+
+def model_info(model: Scorer) -> Mapping[str, str]:
+    """Name, version and sha256 of ``model``, for logs."""
+    m = model.manifest
+    return {"name": m.name, "version": m.version, "sha256": model.sha256}
+
+
+__all__ = [
+    "LATENCY_HISTORY",
+    "LEVEL_LABELS",
+    "DropOldestQueue",
+    "ModelMismatch",
+    "PreparedModel",
+    "ReasoningStage",
+    "Scorer",
+    "StageStats",
+    "model_info",
+    "percentiles",
+]

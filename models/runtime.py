@@ -1,0 +1,763 @@
+"""Runtime adapter: load an INT8 TFLite model with its manifest, check it, run it on windows.
+
+No TensorFlow here. The interpreter comes from LiteRT (``ai_edge_litert``) or, on images that
+ship only that, ``tflite_runtime``; both expose the same ``Interpreter`` class.
+
+Backend choice, in order: the ``backend`` argument; else the ``EDGEFLEET_TFLITE_BACKEND``
+environment variable; else ``ai_edge_litert`` if importable, else ``tflite_runtime``. A backend
+that was asked for by name and cannot be imported raises :class:`BackendUnavailable` (no
+silent fallback: a CI job that means to test ``tflite_runtime`` must not pass on LiteRT).
+
+XNNPACK: both interpreters are built with the default op resolver (``OpResolverType.AUTO``,
+which asks for the default XNNPACK delegate) and ``num_threads``. Measured, not assumed:
+LiteRT (``ai_edge_litert`` 2.3) hands the int8 graph to XNNPACK (delegate nodes appear in the
+execution plan; ~5 us per invoke on an x86 core), while ``tflite_runtime`` 2.14 applies no
+delegate to this int8 model and runs the builtin int8 kernels (~15x slower here). The
+Python API of neither exposes XNNPACK options, and the 2.14 wheel ships no delegate library
+to load, so there is nothing to switch on: prefer LiteRT. :attr:`LoadedModel.delegated`
+records what happened and the test suite pins it.
+
+Bit-exactness: the builtin int8 kernels of both backends (and the reference kernels) give
+identical outputs. XNNPACK does not match them bit for bit: on ~11 % of windows it moves
+some output probabilities, by 18/256 at P99 (a few tens of 1/256 at worst), and the
+decision changes on ~0.03 % of windows. ``load_model(xnnpack=False)`` trades its speed for
+bit-identical outputs across backends.
+
+What :func:`load_model` checks before it returns (any failure is :class:`ModelRejected`, so
+the caller keeps the model it runs):
+
+1. ``manifest.json`` is at most :data:`MAX_MANIFEST_BYTES`, is JSON, and every key has the
+   right type and range (errors name the key and the value);
+2. the model file is at most :data:`MAX_MODEL_BYTES` (checked before reading) and has exactly
+   ``size_bytes`` bytes whose sha256 is ``sha256``;
+3. the interpreter accepts those very bytes (``model_content=``: what was hashed is what runs).
+   LiteRT verifies the flatbuffer before using it; ``tflite_runtime`` 2.14 does not and
+   crashes the process (SIGSEGV) on a truncated or malformed file, so for that backend the
+   bytes are first loaded and invoked once in a short-lived child process (a few hundred
+   ms, at load time only) and a crash there rejects the model instead of killing the agent;
+4. one int8 input of shape ``input.shape`` and one int8 output of shape ``output.shape``,
+   both with the manifest's scale and zero point; one output per label.
+
+A :class:`LoadedModel` is not thread-safe (one interpreter, reused buffers): give each
+thread its own. ``invoke()`` takes tens of microseconds, so calling it inline on the event
+loop is fine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final, Protocol, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from models.errors import BackendUnavailable, ModelRejected
+from models.features import FEATURES_NAME, GROUPS, FeatureExtractor, FeatureSpec
+
+DEFAULT_MODEL_DIR: Final = Path(__file__).resolve().parent / "motor_drive"
+MANIFEST_NAME: Final = "manifest.json"
+MAX_MODEL_BYTES: Final = 16 * 1024 * 1024
+MAX_MANIFEST_BYTES: Final = 1024 * 1024
+BACKENDS: Final[Mapping[str, str]] = MappingProxyType(
+    {"ai_edge_litert": "ai_edge_litert.interpreter", "tflite_runtime": "tflite_runtime.interpreter"}
+)
+BACKEND_ENV: Final = "EDGEFLEET_TFLITE_BACKEND"
+NORMAL_LABEL: Final = "normal"
+
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_SEMVER_RE = re.compile(r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:[-+][0-9A-Za-z.+-]+)?")
+_KNOWN_KEYS = frozenset(
+    {
+        "name",
+        "version",
+        "file",
+        "sha256",
+        "size_bytes",
+        "signals",
+        "window",
+        "rate_hz",
+        "features",
+        "normalization",
+        "input",
+        "output",
+        "labels",
+        "thresholds",
+        "decision",
+        "seeds",
+        "training",
+        "metrics",
+        "latency_us",
+        "description",
+    }
+)
+
+FloatArray = npt.NDArray[np.float32]
+Int8Array = npt.NDArray[np.int8]
+
+
+# -- manifest --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Shape, dtype and affine quantization (``real = scale * (q - zero_point)``)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    scale: float
+    zero_point: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ModelManifest:
+    """``manifest.json`` of a model directory, parsed and validated.
+
+    Build it with :meth:`from_json` (raises :class:`ModelRejected` naming the key and value).
+    ``thresholds`` maps each anomaly label to the probability at or above which it alarms;
+    ``metrics``, ``training``, ``seeds`` and ``latency_us`` are informational and kept as
+    read (the model card's numbers).
+    """
+
+    name: str
+    version: str
+    file: str
+    sha256: str
+    size_bytes: int
+    signals: tuple[str, ...]
+    window: int
+    rate_hz: float
+    features: FeatureSpec
+    mean: Mapping[str, float]
+    std: Mapping[str, float]
+    input: TensorSpec
+    output: TensorSpec
+    labels: tuple[str, ...]
+    thresholds: Mapping[str, float]
+    metrics: Mapping[str, Any]
+    training: Mapping[str, Any]
+    seeds: Mapping[str, Any]
+    latency_us: Mapping[str, Any]
+
+    @classmethod
+    def from_json(cls, data: object, *, source: str = MANIFEST_NAME) -> ModelManifest:
+        return _parse_manifest(data, source)
+
+    @classmethod
+    def load(cls, path: Path) -> ModelManifest:
+        """Read and validate ``path`` (a ``manifest.json``)."""
+        raw = _read_capped(path, MAX_MANIFEST_BYTES, what="manifest")
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelRejected(f"not valid JSON: {exc}", path=str(path)) from None
+        return _parse_manifest(data, str(path))
+
+    @property
+    def anomaly_labels(self) -> tuple[str, ...]:
+        return tuple(label for label in self.labels if label != NORMAL_LABEL)
+
+
+class _Fields:
+    """Typed access to a JSON object; every error names ``source`` and the key path."""
+
+    def __init__(self, data: object, source: str, prefix: str = "") -> None:
+        self.source = source
+        self.prefix = prefix
+        if not isinstance(data, dict):
+            raise self.error(prefix or "(top level)", data, "a JSON object")
+        self.data: dict[str, object] = data
+
+    def error(self, key: str, value: object, expected: str) -> ModelRejected:
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        return ModelRejected(f"{key}: expected {expected}; got {shown}", path=self.source)
+
+    def path(self, key: str) -> str:
+        return f"{self.prefix}.{key}" if self.prefix else key
+
+    def get(self, key: str) -> object:
+        if key not in self.data:
+            raise ModelRejected(f"{self.path(key)}: missing key", path=self.source)
+        return self.data[key]
+
+    def obj(self, key: str) -> _Fields:
+        return _Fields(self.get(key), self.source, self.path(key))
+
+    def str_(self, key: str, pattern: re.Pattern[str] | None = None, expected: str = "") -> str:
+        value = self.get(key)
+        if not isinstance(value, str) or not value:
+            raise self.error(self.path(key), value, "a non-empty string")
+        if pattern is not None and not pattern.fullmatch(value):
+            raise self.error(self.path(key), value, expected)
+        return value
+
+    def int_(self, key: str, minimum: int = 0) -> int:
+        value = self.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.error(self.path(key), value, f"an integer >= {minimum}")
+        return value
+
+    def number(self, key: str, *, positive: bool = False) -> float:
+        return self.number_value(self.path(key), self.get(key), positive=positive)
+
+    def number_value(self, where: str, value: object, *, positive: bool = False) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.error(where, value, "a number")
+        number = float(value)
+        if not math.isfinite(number) or (positive and number <= 0):
+            raise self.error(where, value, "a positive finite number" if positive else "finite")
+        return number
+
+    def str_list(self, key: str) -> tuple[str, ...]:
+        value = self.get(key)
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(v, str) and v for v in value)
+        ):
+            raise self.error(self.path(key), value, "a non-empty list of strings")
+        if len(set(value)) != len(value):
+            raise self.error(self.path(key), value, "names without duplicates")
+        return tuple(cast(list[str], value))
+
+    def per_signal(self, key: str, signals: Sequence[str], *, positive: bool) -> dict[str, float]:
+        sub = self.obj(key)
+        if set(sub.data) != set(signals):
+            raise sub.error(sub.prefix, sorted(sub.data), f"exactly the keys {list(signals)}")
+        return {s: sub.number(s, positive=positive) for s in signals}
+
+    def number_list(self, key: str, length: int, *, positive: bool) -> list[float]:
+        value = self.get(key)
+        if not isinstance(value, list) or len(value) != length:
+            raise self.error(self.path(key), value, f"a list of {length} numbers")
+        return [
+            self.number_value(f"{self.path(key)}[{i}]", v, positive=positive)
+            for i, v in enumerate(value)
+        ]
+
+    def info(self, key: str) -> Mapping[str, Any]:
+        if key not in self.data:
+            return MappingProxyType({})
+        return MappingProxyType(self.obj(key).data)
+
+
+def _tensor_spec(fields: _Fields, key: str) -> TensorSpec:
+    sub = fields.obj(key)
+    shape_value = sub.get("shape")
+    if (
+        not isinstance(shape_value, list)
+        or not shape_value
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape_value)
+    ):
+        raise sub.error(sub.path("shape"), shape_value, "a list of positive integers")
+    dtype = sub.str_("dtype")
+    if dtype != "int8":
+        raise sub.error(sub.path("dtype"), dtype, "'int8' (a fully integer-quantized model)")
+    zero_point = sub.get("zero_point")
+    if isinstance(zero_point, bool) or not isinstance(zero_point, int):
+        raise sub.error(sub.path("zero_point"), zero_point, "an integer in [-128, 127]")
+    if not -128 <= zero_point <= 127:
+        raise sub.error(sub.path("zero_point"), zero_point, "an integer in [-128, 127]")
+    return TensorSpec(
+        shape=tuple(cast(list[int], shape_value)),
+        dtype=dtype,
+        scale=sub.number("scale", positive=True),
+        zero_point=zero_point,
+    )
+
+
+def _parse_manifest(data: object, source: str) -> ModelManifest:
+    top = _Fields(data, source)
+    unknown = sorted(set(top.data) - _KNOWN_KEYS)
+    if unknown:
+        raise top.error(unknown[0], top.data[unknown[0]], f"one of the keys {sorted(_KNOWN_KEYS)}")
+    name = top.str_("name")
+    version = top.str_("version", _SEMVER_RE, "a semantic version like '1.0.0'")
+    file = top.data.get("file", "model.tflite")
+    if not isinstance(file, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+\.tflite", file):
+        raise top.error("file", file, "a plain file name ending in .tflite")
+    sha256 = top.str_("sha256", _SHA256_RE, "64 lowercase hex digits")
+    size_bytes = top.int_("size_bytes", minimum=1)
+    if size_bytes > MAX_MODEL_BYTES:
+        raise top.error("size_bytes", size_bytes, f"at most {MAX_MODEL_BYTES} bytes")
+    signals = top.str_list("signals")
+    window = top.int_("window", minimum=2)
+    rate_hz = top.number("rate_hz", positive=True)
+
+    normalization = top.obj("normalization")
+    mean = normalization.per_signal("mean", signals, positive=False)
+    std = normalization.per_signal("std", signals, positive=True)
+    feats = top.obj("features")
+    feature_name = feats.str_("name")
+    if feature_name != FEATURES_NAME:
+        raise feats.error(feats.path("name"), feature_name, f"{FEATURES_NAME!r} (this runtime)")
+    channels = feats.int_("channels", minimum=1)
+    if channels != GROUPS * len(signals):
+        raise feats.error(feats.path("channels"), channels, f"{GROUPS} x {len(signals)} signals")
+    diff_scale = feats.number_list("diff_scale", len(signals), positive=True)
+    clip = feats.number("clip", positive=True)
+    spec = FeatureSpec.from_lists(
+        [mean[s] for s in signals], [std[s] for s in signals], diff_scale, clip
+    )
+
+    labels = top.str_list("labels")
+    if NORMAL_LABEL not in labels:
+        raise top.error("labels", list(labels), f"a list that includes {NORMAL_LABEL!r}")
+    th = top.obj("thresholds")
+    wanted = [label for label in labels if label != NORMAL_LABEL]
+    if set(th.data) != set(wanted):
+        raise th.error("thresholds", sorted(th.data), f"exactly the keys {wanted}")
+    thresholds: dict[str, float] = {}
+    for label in wanted:
+        value = th.number(label)
+        if not 0.0 < value <= 1.0:
+            raise th.error(th.path(label), value, "a probability in (0, 1]")
+        thresholds[label] = value
+
+    input_spec = _tensor_spec(top, "input")
+    expected_in = (1, window, channels)
+    if input_spec.shape != expected_in:
+        raise top.error("input.shape", list(input_spec.shape), f"{list(expected_in)}")
+    output_spec = _tensor_spec(top, "output")
+    expected_out = (1, len(labels))
+    if output_spec.shape != expected_out:
+        raise top.error("output.shape", list(output_spec.shape), f"{list(expected_out)}")
+
+    return ModelManifest(
+        name=name,
+        version=version,
+        file=file,
+        sha256=sha256,
+        size_bytes=size_bytes,
+        signals=signals,
+        window=window,
+        rate_hz=rate_hz,
+        features=spec,
+        mean=MappingProxyType(mean),
+        std=MappingProxyType(std),
+        input=input_spec,
+        output=output_spec,
+        labels=labels,
+        thresholds=MappingProxyType(thresholds),
+        metrics=top.info("metrics"),
+        training=top.info("training"),
+        seeds=top.info("seeds"),
+        latency_us=top.info("latency_us"),
+    )
+
+
+def _read_capped(path: Path, limit: int, *, what: str) -> bytes:
+    """Read at most ``limit`` bytes, refusing larger files before reading them."""
+    try:
+        size = path.stat().st_size
+        if size > limit:
+            raise ModelRejected(
+                f"{what} file is {size} bytes, more than the {limit} allowed", path=str(path)
+            )
+        with path.open("rb") as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise ModelRejected(
+            f"cannot read {what} file: {exc.strerror or exc}", path=str(path)
+        ) from None
+    if len(data) > limit:  # grew between stat() and read()
+        raise ModelRejected(f"{what} file is more than the {limit} bytes allowed", path=str(path))
+    return data
+
+
+# -- backends --------------------------------------------------------------------------------
+
+
+class _Interpreter(Protocol):
+    """The part of ``tf.lite.Interpreter`` we use; both backends provide it."""
+
+    def allocate_tensors(self) -> None: ...
+    def get_input_details(self) -> list[dict[str, Any]]: ...
+    def get_output_details(self) -> list[dict[str, Any]]: ...
+    def set_tensor(self, tensor_index: int, value: npt.NDArray[Any]) -> None: ...
+    def invoke(self) -> None: ...
+    def get_tensor(self, tensor_index: int) -> npt.NDArray[Any]: ...
+
+
+def available_backends() -> tuple[str, ...]:
+    """Backends importable here, in preference order."""
+    found = []
+    for name, module in BACKENDS.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            continue
+        found.append(name)
+    return tuple(found)
+
+
+def _interpreter_module(backend: str | None) -> tuple[str, Any]:
+    requested = backend or os.environ.get(BACKEND_ENV) or None
+    if requested is not None and requested not in BACKENDS:
+        raise BackendUnavailable(
+            f"unknown TFLite backend {requested!r}; expected one of {', '.join(BACKENDS)}"
+        )
+    candidates = [requested] if requested else list(BACKENDS)
+    errors = []
+    for name in candidates:
+        try:
+            module = importlib.import_module(BACKENDS[name])
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        return name, module
+    how = f"requested by {'argument' if backend else BACKEND_ENV}" if requested else "none"
+    raise BackendUnavailable(
+        f"no TFLite interpreter ({how}); install ai-edge-litert or tflite-runtime: "
+        + "; ".join(errors)
+    )
+
+
+# -- the loaded model ------------------------------------------------------------------------
+
+
+def decide(probs: npt.NDArray[np.float32], thresholds: FloatArray) -> int:
+    """Index of the alarmed label, or 0 (the normal label's index) when none alarms.
+
+    ``thresholds[i]`` is the alarm threshold of label ``i`` (``inf`` for the normal label):
+    among labels whose probability reaches its threshold, the most probable wins.
+    """
+    hit = probs >= thresholds
+    if not hit.any():
+        return 0
+    return int(np.argmax(np.where(hit, probs, -1.0)))
+
+
+class LoadedModel:
+    """A checked model ready to run. Made by :func:`load_model` only.
+
+    ``predict(values)`` is ``dequantize(invoke_int8(quantize(features(values))))`` done on
+    buffers allocated once; it returns the label probabilities in ``manifest.labels`` order.
+    """
+
+    __slots__ = (
+        "_dequant_lut",
+        "_extract",
+        "_in_index",
+        "_in_inv_scale",
+        "_in_shape",
+        "_in_zp",
+        "_interp",
+        "_out_index",
+        "_out_scale",
+        "_out_zp",
+        "_q",
+        "_q3",
+        "_qf",
+        "_qhi",
+        "_qlo",
+        "_threshold_array",
+        "backend",
+        "delegated",
+        "manifest",
+        "path",
+        "sha256",
+        "threads",
+    )
+
+    def __init__(
+        self,
+        *,
+        manifest: ModelManifest,
+        path: Path,
+        backend: str,
+        threads: int,
+        interpreter: _Interpreter,
+        delegated: bool,
+    ) -> None:
+        self.manifest = manifest
+        self.sha256 = manifest.sha256
+        self.backend = backend
+        self.path = path
+        self.threads = threads
+        self.delegated = delegated
+        self._interp = interpreter
+        self._in_index = int(interpreter.get_input_details()[0]["index"])
+        self._out_index = int(interpreter.get_output_details()[0]["index"])
+        self._in_shape = manifest.input.shape
+        self._in_inv_scale = np.float32(1.0 / manifest.input.scale)
+        self._in_zp = np.float32(manifest.input.zero_point)
+        self._out_scale = np.float32(manifest.output.scale)
+        self._out_zp = np.float32(manifest.output.zero_point)
+        self._extract = FeatureExtractor(manifest.features, manifest.window)
+        window, channels = self._in_shape[1:]
+        groups = channels // len(manifest.signals)
+        self._qf = np.empty((window, groups, len(manifest.signals)), dtype=np.float32)
+        self._q = np.empty(self._in_shape, dtype=np.int8)
+        self._q3 = self._q.reshape(window, groups, len(manifest.signals))
+        # clip-then-quantize == quantize-then-clip to the quantized clip bounds (quantization
+        # is monotonic), so predict() skips the float clip.
+        clip = np.array([manifest.features.clip, -manifest.features.clip], dtype=np.float32)
+        qhi, qlo = self._quantize(clip)
+        self._qhi, self._qlo = np.float32(qhi), np.float32(qlo)
+        # Indexed by the int8 value's bit pattern (q.view(uint8)).
+        self._dequant_lut = self._dequantize(np.arange(256, dtype=np.uint8).view(np.int8))
+        self._threshold_array = np.array(
+            [manifest.thresholds.get(label, np.inf) for label in manifest.labels],
+            dtype=np.float32,
+        )
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.manifest.labels
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return (
+            f"LoadedModel({m.name} {m.version}, sha256={self.sha256[:12]}, "
+            f"backend={self.backend}, threads={self.threads})"
+        )
+
+    def _check_values(self, values: npt.NDArray[Any]) -> None:
+        expected = (self.manifest.window, len(self.manifest.signals))
+        if values.shape != expected:
+            raise ValueError(f"expected a window of shape {expected}, got {values.shape}")
+
+    def features(self, values: npt.NDArray[Any]) -> FloatArray:
+        """The model's float input features of one ``(window, n_signals)`` window (a copy)."""
+        self._check_values(values)
+        return self._extract(values).copy()
+
+    def quantize(self, features: npt.NDArray[Any]) -> Int8Array:
+        """Features to the int8 input tensor: ``clip(round(f / scale) + zero_point)``."""
+        f = np.asarray(features, dtype=np.float32)
+        if f.size != self._q.size:
+            raise ValueError(f"expected features of shape {self._in_shape[1:]}, got {f.shape}")
+        return self._quantize(f).reshape(self._in_shape)
+
+    def _quantize(self, f: FloatArray) -> Int8Array:
+        q = np.rint(f * self._in_inv_scale + self._in_zp)
+        np.clip(q, -128, 127, out=q)
+        return cast(Int8Array, q.astype(np.int8))
+
+    def invoke_int8(self, x: Int8Array) -> Int8Array:
+        """The bare interpreter call on an int8 input of the input shape."""
+        self._interp.set_tensor(self._in_index, x.reshape(self._in_shape))
+        self._interp.invoke()
+        return cast(Int8Array, self._interp.get_tensor(self._out_index))
+
+    def dequantize(self, q: npt.NDArray[Any]) -> FloatArray:
+        """Int8 output to probabilities: ``scale * (q - zero_point)``, flattened (a new array)."""
+        if q.dtype == np.int8:
+            # A 256-entry table made with the same float32 arithmetic: one take() per call.
+            return self._dequant_lut.take(np.ravel(q).view(np.uint8))
+        return self._dequantize(np.ravel(q))
+
+    def _dequantize(self, q: npt.NDArray[Any]) -> FloatArray:
+        out: FloatArray = np.subtract(q, self._out_zp, dtype=np.float32)
+        np.multiply(out, self._out_scale, out=out)
+        return out
+
+    def predict(self, values: npt.NDArray[Any]) -> FloatArray:
+        """Label probabilities ``(n_labels,)`` for one window ``(window, n_signals)``."""
+        self._check_values(values)
+        qf = self._qf
+        np.multiply(self._extract.groups(values), self._in_inv_scale, out=qf)
+        np.add(qf, self._in_zp, out=qf)
+        np.rint(qf, out=qf)
+        np.maximum(qf, self._qlo, out=qf)  # two ufuncs: several times cheaper than np.clip
+        np.minimum(qf, self._qhi, out=qf)
+        np.copyto(self._q3, qf, casting="unsafe")  # exact: integers in [-128, 127]
+        interp = self._interp
+        interp.set_tensor(self._in_index, self._q)
+        interp.invoke()
+        return self.dequantize(interp.get_tensor(self._out_index))
+
+    def decide(self, probs: npt.NDArray[np.float32]) -> str:
+        """The label ``probs`` alarms with under the manifest's thresholds, else ``normal``.
+
+        Among anomaly labels whose probability reaches its threshold, the most probable
+        one; ``normal`` when none does.
+        """
+        index = decide(probs, self._threshold_array)
+        return self.manifest.labels[index] if index else NORMAL_LABEL
+
+    @property
+    def threshold_array(self) -> FloatArray:
+        """Per-label thresholds in label order (``inf`` for ``normal``), for :func:`decide`."""
+        return self._threshold_array.copy()
+
+
+def _is_delegated(interpreter: _Interpreter) -> bool:
+    """Whether a delegate (XNNPACK) took over nodes of the execution plan."""
+    ops = getattr(interpreter, "_get_ops_details", None)
+    if ops is None:
+        return False
+    try:
+        details = ops()
+    except (RuntimeError, ValueError):
+        return False
+    return any("DELEGATE" in str(op.get("op_name", "")).upper() for op in details)
+
+
+def load_model(
+    model_dir: Path | str | None = None,
+    *,
+    backend: str | None = None,
+    threads: int = 1,
+    xnnpack: bool = True,
+) -> LoadedModel:
+    """Load and check the model in ``model_dir`` (default: :data:`DEFAULT_MODEL_DIR`).
+
+    ``xnnpack=False`` builds the interpreter without the default delegate: slower, but its
+    builtin int8 kernels give bit-identical outputs on every backend and version we test,
+    while XNNPACK rounds some intermediate requantizations differently (a few output
+    steps on some windows; see the module docstring).
+
+    Raises :class:`ModelRejected` when the manifest or the model file fails a check (see the
+    module docstring) and :class:`BackendUnavailable` when no interpreter can be imported.
+    Reading and hashing a few tens of KB is quick, but it is file I/O: an asyncio caller
+    should run this in a thread.
+    """
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+    directory = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
+    backend_name, module = _interpreter_module(backend)
+    manifest = ModelManifest.load(directory / MANIFEST_NAME)
+    path = directory / manifest.file
+    data = _read_capped(path, MAX_MODEL_BYTES, what="model")
+    if len(data) != manifest.size_bytes:
+        raise ModelRejected(
+            f"model file has {len(data)} bytes, manifest size_bytes says {manifest.size_bytes}",
+            path=str(path),
+        )
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != manifest.sha256:
+        raise ModelRejected(
+            f"sha256 {digest} differs from the manifest's {manifest.sha256}", path=str(path)
+        )
+    if backend_name in _UNVERIFIED_BACKENDS:
+        _probe_in_child(backend_name, data, path)
+    try:
+        options: dict[str, Any] = {}
+        if not xnnpack:
+            options["experimental_op_resolver_type"] = (
+                module.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+            )
+        interpreter = cast(
+            _Interpreter, module.Interpreter(model_content=data, num_threads=threads, **options)
+        )
+        interpreter.allocate_tensors()
+        inputs = interpreter.get_input_details()
+        outputs = interpreter.get_output_details()
+    except (ValueError, RuntimeError) as exc:
+        raise ModelRejected(
+            f"the {backend_name} interpreter refused it: {exc}", path=str(path)
+        ) from None
+    _check_io("input", inputs, manifest.input, path)
+    _check_io("output", outputs, manifest.output, path)
+    return LoadedModel(
+        manifest=manifest,
+        path=path,
+        backend=backend_name,
+        threads=threads,
+        interpreter=interpreter,
+        delegated=_is_delegated(interpreter),
+    )
+
+
+#: Backends whose interpreter does not verify the flatbuffer (a bad one crashes the process).
+_UNVERIFIED_BACKENDS: Final = frozenset({"tflite_runtime"})
+_PROBE_TIMEOUT_S: Final = 60.0
+_PROBE_CODE: Final = (
+    "import sys\n"
+    "from {module} import Interpreter\n"
+    "interpreter = Interpreter(model_content=sys.stdin.buffer.read())\n"
+    "interpreter.allocate_tensors()\n"
+    "interpreter.invoke()\n"
+)
+
+
+def _probe_in_child(backend: str, data: bytes, path: Path) -> None:
+    """Load and invoke ``data`` once in a child process; a crash or error there rejects it."""
+    code = _PROBE_CODE.format(module=BACKENDS[backend])
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            input=data,
+            capture_output=True,
+            timeout=_PROBE_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise ModelRejected(
+            f"the {backend} probe process did not load it within {_PROBE_TIMEOUT_S:g} s",
+            path=str(path),
+        ) from None
+    except OSError as exc:
+        raise ModelRejected(
+            f"cannot start the {backend} probe process: {exc.strerror or exc}", path=str(path)
+        ) from None
+    if result.returncode == 0:
+        return
+    if result.returncode < 0:
+        reason = f"it crashed the interpreter (signal {-result.returncode})"
+    else:
+        lines = result.stderr.decode("utf-8", "replace").strip().splitlines()
+        reason = lines[-1] if lines else f"exit status {result.returncode}"
+    raise ModelRejected(
+        f"the {backend} interpreter refused it in a probe process: {reason}", path=str(path)
+    )
+
+
+def _check_io(
+    kind: str, details: Sequence[Mapping[str, Any]], spec: TensorSpec, path: Path
+) -> None:
+    if len(details) != 1:
+        raise ModelRejected(f"model has {len(details)} {kind} tensors, expected 1", path=str(path))
+    d = details[0]
+    shape = tuple(int(v) for v in d["shape"])
+    if shape != spec.shape:
+        raise ModelRejected(
+            f"model {kind} shape {list(shape)} differs from manifest {kind}.shape "
+            f"{list(spec.shape)}",
+            path=str(path),
+        )
+    dtype = np.dtype(d["dtype"]).name
+    if dtype != spec.dtype:
+        raise ModelRejected(
+            f"model {kind} dtype {dtype} differs from manifest {kind}.dtype {spec.dtype}",
+            path=str(path),
+        )
+    scale, zero_point = d["quantization"]
+    if (
+        not math.isclose(float(scale), spec.scale, rel_tol=1e-6)
+        or int(zero_point) != spec.zero_point
+    ):
+        raise ModelRejected(
+            f"model {kind} quantization (scale={float(scale)!r}, zero_point={int(zero_point)}) "
+            f"differs from manifest {kind} (scale={spec.scale!r}, zero_point={spec.zero_point})",
+            path=str(path),
+        )
+
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_ENV",
+    "DEFAULT_MODEL_DIR",
+    "MAX_MANIFEST_BYTES",
+    "MAX_MODEL_BYTES",
+    "LoadedModel",
+    "ModelManifest",
+    "TensorSpec",
+    "available_backends",
+    "decide",
+    "load_model",
+]
