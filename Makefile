@@ -67,6 +67,9 @@ bench: venv
 	$(BIN)/python -m bench.perception --quick
 	$(BIN)/python -m bench.modbus_poll --quick
 	$(BIN)/python -m bench.can_ingest --quick
+	$(BIN)/python -m bench.reasoning --quick
+	$(BIN)/python -m bench.hot_swap --quick
+	$(BIN)/python -m bench.memory --quick
 
 ## check-arm64: every runtime dependency has a manylinux aarch64 wheel for CPython 3.11 and 3.12
 check-arm64: venv
