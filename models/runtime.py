@@ -11,8 +11,8 @@ silent fallback: a CI job that means to test ``tflite_runtime`` must not pass on
 XNNPACK: both interpreters are built with the default op resolver (``OpResolverType.AUTO``,
 which asks for the default XNNPACK delegate) and ``num_threads``. Measured, not assumed:
 LiteRT (``ai_edge_litert`` 2.3) hands the int8 graph to XNNPACK (delegate nodes appear in the
-execution plan; ~5 us per invoke on an x86 core), while ``tflite_runtime`` 2.14 applies no
-delegate to this int8 model and runs the builtin int8 kernels (~15x slower here). The
+execution plan; ~3-4 us per invoke on one x86 core), while ``tflite_runtime`` 2.14 applies no
+delegate to this int8 model and runs the builtin int8 kernels (~18 us on the same core). The
 Python API of neither exposes XNNPACK options, and the 2.14 wheel ships no delegate library
 to load, so there is nothing to switch on: prefer LiteRT. :attr:`LoadedModel.delegated`
 records what happened and the test suite pins it.
@@ -33,14 +33,14 @@ the caller keeps the model it runs):
 3. the interpreter accepts those very bytes (``model_content=``: what was hashed is what runs).
    LiteRT verifies the flatbuffer before using it; ``tflite_runtime`` 2.14 does not and
    crashes the process (SIGSEGV) on a truncated or malformed file, so for that backend the
-   bytes are first loaded and invoked once in a short-lived child process (a few hundred
-   ms, at load time only) and a crash there rejects the model instead of killing the agent;
+   bytes are first loaded and invoked once in a short-lived child process (~0.15 s, at
+   load time only) and a crash there rejects the model instead of killing the agent;
 4. one int8 input of shape ``input.shape`` and one int8 output of shape ``output.shape``,
    both with the manifest's scale and zero point; one output per label.
 
 A :class:`LoadedModel` is not thread-safe (one interpreter, reused buffers): give each
-thread its own. ``invoke()`` takes tens of microseconds, so calling it inline on the event
-loop is fine.
+thread its own. ``predict()`` takes ~20 us (LiteRT) to ~40 us (tflite_runtime) on an x86
+core, so calling it inline on the event loop is fine.
 """
 
 from __future__ import annotations
@@ -428,15 +428,15 @@ def _interpreter_module(backend: str | None) -> tuple[str, Any]:
 # -- the loaded model ------------------------------------------------------------------------
 
 
-def decide(probs: npt.NDArray[np.float32], thresholds: FloatArray) -> int:
-    """Index of the alarmed label, or 0 (the normal label's index) when none alarms.
+def decide(probs: npt.NDArray[np.float32], thresholds: FloatArray, default: int) -> int:
+    """Index of the alarmed label, or ``default`` (the normal label's index) when none alarms.
 
     ``thresholds[i]`` is the alarm threshold of label ``i`` (``inf`` for the normal label):
     among labels whose probability reaches its threshold, the most probable wins.
     """
     hit = probs >= thresholds
     if not hit.any():
-        return 0
+        return default
     return int(np.argmax(np.where(hit, probs, -1.0)))
 
 
@@ -455,6 +455,7 @@ class LoadedModel:
         "_in_shape",
         "_in_zp",
         "_interp",
+        "_normal_index",
         "_out_index",
         "_out_scale",
         "_out_zp",
@@ -513,6 +514,7 @@ class LoadedModel:
             [manifest.thresholds.get(label, np.inf) for label in manifest.labels],
             dtype=np.float32,
         )
+        self._normal_index = manifest.labels.index(NORMAL_LABEL)
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -536,7 +538,11 @@ class LoadedModel:
         return self._extract(values).copy()
 
     def quantize(self, features: npt.NDArray[Any]) -> Int8Array:
-        """Features to the int8 input tensor: ``clip(round(f / scale) + zero_point)``."""
+        """Features to the int8 input tensor: ``clip(rint(f * (1 / scale) + zero_point))``.
+
+        Computed in float32 exactly as :meth:`predict` does (round half to even, saturating
+        at -128 and 127).
+        """
         f = np.asarray(features, dtype=np.float32)
         if f.size != self._q.size:
             raise ValueError(f"expected features of shape {self._in_shape[1:]}, got {f.shape}")
@@ -586,8 +592,7 @@ class LoadedModel:
         Among anomaly labels whose probability reaches its threshold, the most probable
         one; ``normal`` when none does.
         """
-        index = decide(probs, self._threshold_array)
-        return self.manifest.labels[index] if index else NORMAL_LABEL
+        return self.manifest.labels[decide(probs, self._threshold_array, self._normal_index)]
 
     @property
     def threshold_array(self) -> FloatArray:

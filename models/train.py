@@ -275,7 +275,7 @@ def class_metrics(y_true: IntArray, y_pred: IntArray) -> dict[str, dict[str, flo
 
 def decisions(probs: FloatArray, thresholds: Mapping[str, float]) -> IntArray:
     arr = np.array([thresholds.get(label, np.inf) for label in dataset.LABELS], dtype=np.float32)
-    return np.array([decide(p, arr) for p in probs], dtype=np.int64)
+    return np.array([decide(p, arr, 0) for p in probs], dtype=np.int64)
 
 
 def choose_thresholds(

@@ -496,3 +496,20 @@ def test_int8_inputs_equal_the_reference(
     diff = np.abs(inputs.astype(np.int16) - reference["inputs"].astype(np.int16))
     assert diff.max() <= 1
     assert (diff > 0).mean() < 1e-3
+
+
+def test_decide_applies_the_manifest_thresholds(model: LoadedModel) -> None:
+    labels = model.manifest.labels
+    th = model.manifest.thresholds
+
+    def probs(**values: float) -> npt.NDArray[np.float32]:
+        return np.array([values.get(label, 0.0) for label in labels], dtype=np.float32)
+
+    assert model.decide(probs(normal=1.0)) == "normal"
+    below = min(th["noise"], th["spike"]) - 0.01
+    assert model.decide(probs(noise=below, spike=below)) == "normal"
+    assert model.decide(probs(noise=th["noise"])) == "noise"
+    # Among labels that reach their thresholds, the most probable one.
+    assert model.decide(probs(spike=0.999, noise=th["noise"])) == "spike"
+    # A label probability alone never alarms normal, however high.
+    assert model.decide(probs(normal=0.999)) == "normal"
