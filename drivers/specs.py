@@ -7,7 +7,7 @@ these; drivers never see TOML. Defaults here are the documented defaults of the 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 RegisterFunction = Literal["coil", "discrete_input", "holding", "input"]
 RegisterType = Literal[
@@ -24,20 +24,10 @@ RegisterType = Literal[
 ]
 WordOrder = Literal["ABCD", "DCBA", "BADC", "CDAB"]
 
-REGISTER_FUNCTIONS: tuple[RegisterFunction, ...] = ("coil", "discrete_input", "holding", "input")
-REGISTER_TYPES: tuple[RegisterType, ...] = (
-    "bool",
-    "int16",
-    "uint16",
-    "int32",
-    "uint32",
-    "int64",
-    "uint64",
-    "float32",
-    "float64",
-    "bitfield",
-)
-WORD_ORDERS: tuple[WordOrder, ...] = ("ABCD", "DCBA", "BADC", "CDAB")
+# The Literal types above are the single source of these lists.
+REGISTER_FUNCTIONS: tuple[RegisterFunction, ...] = get_args(RegisterFunction)
+REGISTER_TYPES: tuple[RegisterType, ...] = get_args(RegisterType)
+WORD_ORDERS: tuple[WordOrder, ...] = get_args(WordOrder)
 
 #: Registers (16-bit words) each type occupies. ``bool`` and ``bitfield`` read one register
 #: (or one bit, for coils and discrete inputs).
