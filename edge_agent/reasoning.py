@@ -26,11 +26,16 @@ constant mean 0.24 / 0.21 / 0.16 / 0.02 (noise / spike / drift / stuck); the sch
 median reference alone 1.00 / 0.99 / 0.10 / 1.00). Drift stays the hard one: an offset is
 only visible against the other signals, which occlusion perturbs one at a time.
 
+The "normal step noise" follows the acquisition the model was trained for when its manifest
+records one (``training.acquisition``): a signal polled slower than the grid changes only
+once per poll, by at least its deadband or half its resolution, as it does in training.
+
 Dropout: perception holds a stale signal's last value, and a flat column is what the model
 calls ``stuck``. Before scoring, each held column is replaced the same way (its median plus
 normal step noise): the ``dropout`` rule names the dead signal; the model judges the others.
 A column is held when its signal is stale at the window's end, or was stale at the end of
-the previous window (it came back during this one: the start is still the held value).
+the previous window (it came back during this one: the start is still the held value), or
+was not seen yet at the window's start (NaN until its first sample, e.g. right after start).
 
 On the ``normal`` path ``top_signals`` is empty (``attribution = "none"``): explanations
 matter for alarms, and the normal path must stay within its ~100 µs budget.
@@ -394,10 +399,16 @@ class ReasoningStage:
         ``stale`` is the state at the window's last point. A signal stale at the end of the
         previous window and fresh again now was still held at the start of this one.
         """
+        stale = window.stale
+        # Not seen yet at the window's start (the agent just started, a source joined late):
+        # NaN up to its first sample, then a jump, which reads as a spike. Neutralise it too.
+        missing = np.isnan(window.values[0])
+        if missing.any():
+            stale = stale | missing
         prev = self._prev_stale
         if prev is not None and window.seq == self._prev_seq + 1:
-            return window.stale | prev
-        return window.stale if window.stale.any() else None
+            return stale | prev
+        return stale if stale.any() else None
 
     # -- reporting ------------------------------------------------------------------------
 
@@ -483,12 +494,30 @@ def _occlusion_constants(m: ModelManifest) -> tuple[FloatArray, FloatArray]:
 
     Such noise has step differences of std ``diff_scale``: the normal step noise the
     model's diff channels are scaled by, so an occluded signal looks neither stuck nor noisy.
+    When the manifest records the acquisition the model was trained for
+    (``training.acquisition``), the noise is shaped like it: a source slower than the grid
+    holds each value for its period, and its steps are at least its deadband or half its
+    resolution (a polled, deadbanded or coarse signal does not change at every step).
     """
     rng = np.random.default_rng(0)
     mean = np.asarray([m.mean[s] for s in m.signals], dtype=np.float32)
     step = np.asarray(m.features.diff_scale, dtype=np.float64) / np.sqrt(2.0)
-    noise = (rng.standard_normal((m.window, len(m.signals))) * step).astype(np.float32)
-    return mean, noise
+    noise = rng.standard_normal((m.window, len(m.signals))) * step
+    acquisition = m.training.get("acquisition") if isinstance(m.training, Mapping) else None
+    per_signal = acquisition.get("signals") if isinstance(acquisition, Mapping) else None
+    if isinstance(per_signal, Mapping):
+        grid_ms = 1000.0 / m.rate_hz
+        for i, name in enumerate(m.signals):
+            a = per_signal.get(name)
+            if not isinstance(a, Mapping):
+                continue
+            hold = max(1, round(float(a.get("period_ms", grid_ms)) / grid_ms))
+            if hold == 1:
+                continue
+            size = max(step[i], float(a.get("deadband", 0.0)), float(a.get("quantum", 0.0)) / 2)
+            blocks = rng.standard_normal(-(-m.window // hold)) * size
+            noise[:, i] = np.repeat(blocks, hold)[: m.window]
+    return mean, noise.astype(np.float32)
 
 
 def model_info(model: Scorer) -> Mapping[str, str]:

@@ -461,6 +461,26 @@ def _nan_to_none(obj: Any) -> Any:
     return obj
 
 
+def _render_acquisition(acq: Mapping[str, Any] | None) -> str:
+    """One line: the acquisition every window was made through (``training.acquisition``)."""
+    if not acq:
+        return "Acquisition: not recorded (every signal fresh at every grid step)."
+    parts = []
+    for name, a in acq["signals"].items():
+        text = f"{name} {a['source']} every {a['period_ms']:g} ms"
+        text += f", quantum {a['quantum']:g}" if a["quantum"] else ", float32"
+        if a.get("deadband"):
+            text += f", deadband {a['deadband']:g} + heartbeat {a['heartbeat_ms']:g} ms"
+        parts.append(text)
+    jitter = sorted({a["jitter_ms"] for a in acq["signals"].values()})
+    return (
+        f"Acquisition trained and evaluated for (`{acq['name']}`, held onto the grid like "
+        f"perception; arrival jitter mean {'/'.join(f'{j:g}' for j in jitter)} ms): "
+        + "; ".join(parts)
+        + "."
+    )
+
+
 def render_card_metrics(manifest: Mapping[str, Any]) -> str:
     """The model card's numbers, as markdown, from the manifest."""
     m = manifest["metrics"]
@@ -473,6 +493,8 @@ def render_card_metrics(manifest: Mapping[str, Any]) -> str:
         f"Held-out test set: plant seeds {m['test_set']['plant_seeds'][0]}-"
         f"{m['test_set']['plant_seeds'][1]} ({sum(m['test_set']['windows'].values())} windows), "
         f"evaluated with the {m['evaluated_with']}.",
+        "",
+        _render_acquisition(manifest["training"].get("acquisition")),
         "",
         "| label | threshold | precision | recall | F1 | windows |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -599,6 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "train_continuous_normal_windows": len(cont_train),
         "val_windows": val.counts(),
         "representative_windows": int(rep_idx.size),
+        "acquisition": dataset.DEFAULT_ACQUISITION.describe(),
         "anomaly_ranges": {
             "drift": {
                 k: list(v) for k, v in dataset.DRIFT_RANGE.items() if k in dataset.DRIFT_SIGNALS

@@ -165,14 +165,6 @@ def test_agent_decides_about_every_window() -> None:
     assert f"model={sha[:12]}" in log_text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the model is trained on values sampled every 10 ms at full float precision; "
-    "through the field buses (Modbus polled at 100-200 ms with deadband and 0.1 degC steps, "
-    "CAN at 10-20 ms and DBC resolution) values repeat on the 100 Hz grid and every live "
-    "window reads as 'stuck'. Turns into a pass (and, strict, a failure to remove this mark) "
-    "once the model is trained on windows as the agent acquires them.",
-)
 def test_a_simulated_spike_is_the_alarm_through_the_field_buses() -> None:
     _, decisions, _, log_text = run_agent_with_anomaly("spike:current@21+30x8", 6.0)
     assert {d.label for d in decisions} <= {"normal", "spike"}, [d.label for d in decisions]
