@@ -57,10 +57,10 @@ $(TRAIN_VENV)/.installed-edgefleet: pyproject.toml
 	$(TRAIN_VENV)/bin/python -m pip install --quiet -e '.[train]'
 	@touch $@
 
-## demo: start the plant simulator and the agent against it, show it, stop by itself
+## demo: the plant simulator (with a current spike 8 s in) and the agent against it; stops by itself
 demo: venv
 	$(BIN)/edge-agent check-config examples/agent.toml
-	$(BIN)/edge-agent run --config examples/agent.toml --simulate --duration 20
+	$(BIN)/edge-agent run --config examples/agent.toml --simulate --duration 20 --anomaly spike:current@8+10x8
 
 ## bench: every benchmark in quick mode
 bench: venv
