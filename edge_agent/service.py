@@ -327,6 +327,19 @@ class Agent:
                 self.reasoning_queue.dropped,
                 lat["reasoning"]["p99"],
             )
+        if self.memory is not None:
+            ms = self.memory.stats()
+            log.info(
+                "memory: windows=%d rows=%d keyframes=%d decisions=%d dropped_windows=%d "
+                "snapshots=%d last_snapshot=%s",
+                ms["windows"],
+                ms["rows"],
+                ms["keyframes"],
+                ms["decisions"],
+                ms["dropped_windows"],
+                ms["snapshots"]["taken"],
+                ms["snapshots"]["last"] or "-",
+            )
         if w is not None:
             means = None
             if not np.isnan(w.values).all():
