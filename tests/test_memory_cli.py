@@ -169,6 +169,29 @@ def test_the_store_is_found_through_the_agent_config(tmp_path: Path) -> None:
     assert "file not found" in bad.stderr
 
 
+def test_a_relative_state_dir_is_found_from_any_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The agent resolves agent.state_dir against the config file's folder; so must the CLI.
+    populated(tmp_path / "conf" / "state")
+    cfg = tmp_path / "conf" / "agent.toml"
+    cfg.write_text(
+        (EXAMPLES / "agent.toml")
+        .read_text()
+        .replace('state_dir = "../var/demo-gw-01"', 'state_dir = "state"')
+        .replace(
+            'dbc = "../drivers/sim/motor_drive.dbc"',
+            f'dbc = "{EXAMPLES.parent}/drivers/sim/motor_drive.dbc"',
+        )
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    res = runner.invoke(memory_app, ["stats", "--json", "--config", str(cfg)])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["path"] == str(tmp_path / "conf" / "state" / "memory.db")
+
+
 def test_parse_time_forms() -> None:
     now = 1_700_000_000 * 10**9
     assert parse_time("now", now) == now

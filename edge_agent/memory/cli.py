@@ -112,10 +112,9 @@ def _locate(config: Path | None, db: Path | None, snapshot_dir: Path | None) -> 
         cfg = load_config(path)
     except ConfigError as exc:
         _fail(str(exc), 2)
-    section = getattr(cfg, "memory", None)
-    if not isinstance(section, MemorySection):  # config without a [memory] section yet
-        section = MemorySection()
-    cfg_db, cfg_snaps = section.resolve(cfg.agent.state_dir)
+    # cfg.state_dir is agent.state_dir resolved against the config file's folder, as the
+    # agent resolves it: the CLI must find the store wherever it is started from.
+    cfg_db, cfg_snaps = cfg.memory.resolve(cfg.state_dir)
     return cfg_db, snapshot_dir if snapshot_dir is not None else cfg_snaps
 
 
