@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -275,14 +275,4 @@ class Aligner:
         )
 
 
-def summarize(windows: Sequence[Window]) -> tuple[float, float]:
-    """Mean completeness and worst jitter (ms) over ``windows``; (0, 0) when empty."""
-    if not windows:
-        return 0.0, 0.0
-    return (
-        sum(w.completeness for w in windows) / len(windows),
-        max(w.max_jitter_ms for w in windows),
-    )
-
-
-__all__ = ["Aligner", "Interpolation", "PerceptionSpec", "PerceptionStats", "Window", "summarize"]
+__all__ = ["Aligner", "Interpolation", "PerceptionSpec", "PerceptionStats", "Window"]

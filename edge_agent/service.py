@@ -272,20 +272,6 @@ class Agent:
         log.info("model swapped: now %s %s sha256=%s", m.name, m.version, prepared.sha256[:12])
         return old
 
-    def swap_model(self, model: Scorer) -> Scorer:
-        """Serve ``model`` from the next window on; returns the old one.
-
-        Load and check it first (:func:`models.load_model`, in a thread: it reads and hashes
-        a file). Raises :class:`ReasoningError` when reasoning is off or the model does not
-        fit; the old model keeps serving.
-        """
-        if self.stage is None:
-            raise ReasoningError("reasoning is disabled in the config")
-        old = self.stage.swap_model(model)
-        m = model.manifest
-        log.info("model swapped: now %s %s sha256=%s", m.name, m.version, model.sha256[:12])
-        return old
-
     async def _log_stats(self) -> None:
         interval = self.config.agent.stats_interval_s
         while True:
@@ -405,7 +391,7 @@ def build_stage(config: AgentConfig) -> ReasoningStage:
     """Load the configured model and build the stage. Raises :class:`ReasoningError`.
 
     Called once at start, before the event loop has other work: the file read and hash
-    (a few ms) block nothing yet. Swaps later load in a thread (see ``swap_model``).
+    (a few ms) block nothing yet. Swaps later load in a thread (see :meth:`Agent.reload_model`).
     """
     rc = config.reasoning
     where = str(rc.model_dir) if rc.model_dir is not None else "the committed default model"
