@@ -57,10 +57,12 @@ $(TRAIN_VENV)/.installed-edgefleet: pyproject.toml
 	$(TRAIN_VENV)/bin/python -m pip install --quiet -e '.[train]'
 	@touch $@
 
-## demo: the plant simulator (with a current spike 8 s in) and the agent against it; stops by itself
+## demo: the plant simulator and the agent with every stage, in a live terminal view; a current
+##       spike is injected 20 s in; it ends by itself after 60 s (or Ctrl-C) with a summary
 demo: venv
 	$(BIN)/edge-agent check-config examples/agent.toml
-	$(BIN)/edge-agent run --config examples/agent.toml --simulate --duration 20 --anomaly spike:current@8+10x8
+	$(BIN)/edge-agent run --config examples/agent.toml --simulate --dashboard \
+		--duration 60 --anomaly spike:current@20+15x8
 
 ## bench: every benchmark in quick mode
 bench: venv
@@ -70,6 +72,8 @@ bench: venv
 	$(BIN)/python -m bench.reasoning --quick
 	$(BIN)/python -m bench.hot_swap --quick
 	$(BIN)/python -m bench.memory --quick
+	$(BIN)/python -m bench.gate --quick
+	$(BIN)/python -m bench.e2e --quick
 
 ## check-arm64: every runtime dependency has a manylinux aarch64 wheel for CPython 3.11 and 3.12
 check-arm64: venv

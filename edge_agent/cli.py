@@ -7,23 +7,30 @@ a config error must not be retried by ``Restart=on-failure`` forever without a m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 from drivers.errors import DriverError
 from edge_agent import __version__
 from edge_agent.config import AgentConfig, load_config
-from edge_agent.errors import ConfigError, ModelMismatch, ReasoningError
+from edge_agent.errors import ConfigError, ModelMismatch, ReasoningError, ServiceError
 from edge_agent.memory.cli import memory_app
+from edge_agent.tsn import tsn_app
 
 if TYPE_CHECKING:
     from drivers.sim.plant import Anomaly
+    from edge_agent.dashboard import Dashboard
+    from edge_agent.rules import Decision
+
+T = TypeVar("T")
 
 app = typer.Typer(
     name="edge-agent",
@@ -34,6 +41,9 @@ app = typer.Typer(
 )
 
 app.add_typer(memory_app, name="memory", help="Inspect, snapshot and restore the memory store.")
+app.add_typer(
+    tsn_app, name="tsn", help="Render or apply the gate schedule as a taprio qdisc (802.1Qbv)."
+)
 
 ConfigOpt = Annotated[
     Path, typer.Option("--config", "-c", help="Agent config (TOML).", show_default=True)
@@ -46,6 +56,18 @@ def _setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` on uvloop where it is installed (EDGEFLEET_LOOP=asyncio: never)."""
+    if os.environ.get("EDGEFLEET_LOOP", "auto") != "asyncio":
+        try:
+            import uvloop  # noqa: PLC0415 - optional
+        except ImportError:
+            pass
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
 
 
 def _load_or_exit(path: Path) -> AgentConfig:
@@ -84,6 +106,8 @@ def check_config(
         for e in errors:
             typer.echo(f"  {e}", err=True)
         raise typer.Exit(2)
+    for note in cfg.schedule.notes(rate_hz=cfg.perception.rate_hz):
+        typer.echo(f"{file}: note: {note}", err=True)
     typer.echo(
         f"{file}: ok ({len(cfg.sources)} source(s), {len(cfg.perception.signals)} signal(s), "
         f"{cfg.perception.window} x {cfg.perception.rate_hz:g} Hz windows)"
@@ -107,6 +131,14 @@ def run(
     ] = False,
     status_json: Annotated[
         bool, typer.Option("--status-json", help="Print a final JSON status on stdout.")
+    ] = False,
+    dashboard: Annotated[
+        bool,
+        typer.Option(
+            "--dashboard",
+            help="A live terminal view of windows/s, stage latencies, decisions and scores, "
+            "and a summary at the end (plain lines when stdout is not a terminal).",
+        ),
     ] = False,
     anomaly: Annotated[
         list[str] | None,
@@ -135,13 +167,13 @@ def run(
         raise typer.Exit(2) from None
     _setup_logging(cfg.agent.log_level)
     try:
-        status = asyncio.run(_run(cfg, duration, simulate, anomalies))
+        status = run_loop(_run(cfg, duration, simulate, anomalies, dashboard))
     except ReasoningError as exc:
         typer.echo(f"edge-agent: {exc}", err=True)
         # A model that does not fit the config is a config problem; one that does not load
         # (corrupt, missing runtime) is a runtime failure.
         raise typer.Exit(2 if isinstance(exc, ModelMismatch) else 1) from None
-    except DriverError as exc:
+    except (DriverError, ServiceError) as exc:
         typer.echo(f"edge-agent: {exc}", err=True)
         raise typer.Exit(1) from None
     if status_json:
@@ -153,30 +185,53 @@ async def _run(
     duration: float | None,
     simulate: bool,
     anomalies: Sequence[Anomaly] = (),
+    dashboard: bool = False,
 ) -> dict[str, object]:
     from edge_agent.service import Agent, run_until_signalled  # noqa: PLC0415
 
-    agent = Agent(cfg)
-    if not simulate:
-        await run_until_signalled(agent, duration)
-        return agent.status()
-    from drivers.sim.server import PlantSimulator  # noqa: PLC0415
-    from drivers.specs import CanSpec, ModbusSpec  # noqa: PLC0415
+    dash: Dashboard | None = None
 
-    # Serve what the config reads: its first Modbus TCP port and its first CAN channel.
-    modbus = next(
-        (s for s in cfg.sources if isinstance(s, ModbusSpec) and s.transport == "tcp"), None
-    )
-    can_spec = next((s for s in cfg.sources if isinstance(s, CanSpec)), None)
-    async with PlantSimulator(
-        seed=1,
-        anomalies=anomalies,
-        modbus_host=modbus.host if modbus else "127.0.0.1",
-        modbus_port=modbus.port if modbus else None,
-        can_interface=can_spec.interface if can_spec else None,
-        can_channel=can_spec.channel if can_spec else "edgefleet-sim",
-    ):
-        await run_until_signalled(agent, duration)
+    def on_decision(d: Decision) -> None:
+        if dash is not None:
+            dash.on_decision(d)
+
+    agent = Agent(cfg, on_decision=on_decision if dashboard else None)
+    async with contextlib.AsyncExitStack() as stack:
+        if simulate:
+            from drivers.sim.server import PlantSimulator  # noqa: PLC0415
+            from drivers.specs import CanSpec, ModbusSpec  # noqa: PLC0415
+
+            # Serve what the config reads: its first Modbus TCP port and its first CAN channel.
+            modbus = next(
+                (s for s in cfg.sources if isinstance(s, ModbusSpec) and s.transport == "tcp"),
+                None,
+            )
+            can_spec = next((s for s in cfg.sources if isinstance(s, CanSpec)), None)
+            await stack.enter_async_context(
+                PlantSimulator(
+                    seed=1,
+                    anomalies=anomalies,
+                    modbus_host=modbus.host if modbus else "127.0.0.1",
+                    modbus_port=modbus.port if modbus else None,
+                    can_interface=can_spec.interface if can_spec else None,
+                    can_channel=can_spec.channel if can_spec else "edgefleet-sim",
+                )
+            )
+        if not dashboard:
+            await run_until_signalled(agent, duration)
+            return agent.status()
+        from edge_agent.dashboard import Dashboard, model_description  # noqa: PLC0415
+
+        # Built as the plant starts, so the anomaly times on screen match the plant's.
+        dash = Dashboard(cfg.agent.device, model_description(agent.status()), anomalies, duration)
+        # Log lines would tear the live view; warnings still show above it.
+        logging.getLogger().setLevel(max(logging.WARNING, logging.getLogger().level))
+        view = dash
+
+        async def show(done: asyncio.Event) -> None:
+            await view.run(done, agent.status, gates=agent.gcl)
+
+        await run_until_signalled(agent, duration, alongside=show)
     return agent.status()
 
 

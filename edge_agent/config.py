@@ -34,8 +34,10 @@ from drivers.specs import (
     ReplaySpec,
     WordOrder,
 )
+from edge_agent.api import ApiSection
 from edge_agent.breaker import BreakerSpec, DegradedMode
 from edge_agent.errors import ConfigError
+from edge_agent.gcl import GateControlList, ScheduleSection, window_close_phase_ns
 from edge_agent.memory.config import MemorySection
 from edge_agent.perception import Interpolation, PerceptionSpec
 from edge_agent.rules import (
@@ -201,6 +203,8 @@ class AgentConfigModel(_Model):
     sources: SourcesSection
     reasoning: ReasoningSection = Field(default_factory=ReasoningSection)
     memory: MemorySection = Field(default_factory=MemorySection)
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection)
+    api: ApiSection = Field(default_factory=ApiSection)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +239,11 @@ class AgentConfig:
     memory: MemorySection
     #: ``agent.state_dir`` resolved against the config file's folder.
     state_dir: Path
+    schedule: ScheduleSection
+    #: The ``[schedule]`` section as a timeline; without ``base_time_ns`` its cycles start
+    #: when windows close (lateness past a grid point), so the first entry meets them.
+    gate_control_list: GateControlList
+    api: ApiSection
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -438,6 +447,7 @@ def _check(model: AgentConfigModel, base: Path) -> list[str]:
         )
     errors.extend(_check_reasoning(model.reasoning, per.signals))
     errors.extend(model.memory.check(per.signals))
+    errors.extend(model.schedule.check())
     seen: set[str] = set()
     for k, sig in enumerate(per.signals):
         if sig in seen:
@@ -638,4 +648,12 @@ def _convert(model: AgentConfigModel, path: Path, base: Path) -> AgentConfig:
         reasoning=reasoning,
         memory=model.memory,
         state_dir=_resolve(model.agent.state_dir, base),
+        schedule=model.schedule,
+        gate_control_list=GateControlList.from_section(
+            model.schedule,
+            default_base_ns=window_close_phase_ns(
+                model.schedule.cycle_us * 1000, lateness_ms=per.lateness_ms
+            ),
+        ),
+        api=model.api,
     )

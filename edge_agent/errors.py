@@ -4,14 +4,20 @@
 
     AgentError
     ├── ConfigError      the config file is wrong; ``errors`` lists every problem found
-    └── ReasoningError   the model cannot serve this agent: it failed to load, or it does
-        │                not fit the perception signals / window / rules
-        ├── ModelMismatch  the model does not fit (signals, window, rate, rule labels);
-        │                  a swap is refused and the old model keeps serving
-        └── RulesError     (edge_agent.rules) a rule names a label the model does not have
+    ├── ReasoningError   the model cannot serve this agent: it failed to load, or it does
+    │   │                not fit the perception signals / window / rules
+    │   ├── ModelMismatch  the model does not fit (signals, window, rate, rule labels);
+    │   │                  a swap is refused and the old model keeps serving
+    │   └── RulesError     (edge_agent.rules) a rule names a label the model does not have
+    ├── ServiceError     a service the agent needs cannot start (the health API's port
+    │                    is taken); fatal at start, with this message
+    └── ProbeError       (also a ValueError) a health probe sent by a client is malformed;
+        │                ``where`` is the JSON path of the fault (``payload.current``)
+        └── ProbeTooLarge  its body is over the size cap (HTTP 413 rather than 400)
 
-Errors of the drivers stay in their own tree (:class:`drivers.errors.DriverError`); the
-agent reports them per source and keeps running.
+``ProbeError`` is the client's fault, not the agent's: the health API answers it with 400
+(or 413) and the agent carries on. Errors of the drivers stay in their own tree
+(:class:`drivers.errors.DriverError`); the agent reports them per source and keeps running.
 """
 
 
@@ -32,6 +38,10 @@ class ConfigError(AgentError):
         super().__init__(f"{source}: {len(errors)} error(s) in config\n{lines}")
 
 
+class ServiceError(AgentError):
+    """The agent cannot start one of its services (at start: fatal, with this message)."""
+
+
 class ReasoningError(AgentError):
     """The reasoning stage cannot run with this model (at start: fatal, with this message)."""
 
@@ -42,3 +52,20 @@ class ModelMismatch(ReasoningError):
     Raised by :meth:`edge_agent.reasoning.ReasoningStage.prepare` (so by a swap, too); the
     serving model stays.
     """
+
+
+class ProbeError(AgentError, ValueError):
+    """A health probe cannot be accepted; ``where`` names the faulty part of its JSON body.
+
+    ``where`` is ``body`` for the body as a whole (size, encoding, syntax, not an object),
+    a top-level key (``timestamp_ns``) or a dotted path into the payload (``payload.current``).
+    """
+
+    def __init__(self, where: str, message: str) -> None:
+        self.where = where
+        self.message = message
+        super().__init__(f"{where}: {message}")
+
+
+class ProbeTooLarge(ProbeError):
+    """The probe's body is larger than the configured cap; it was not parsed."""

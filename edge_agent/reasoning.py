@@ -74,6 +74,7 @@ from edge_agent.rules import (
     CompiledRules,
     Decision,
     Level,
+    RuleFiring,
     RulesError,
     RuleSet,
     dropout_finding,
@@ -180,6 +181,23 @@ class StageStats:
     perception_us: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_HISTORY))
 
 
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """What :meth:`ReasoningStage.evaluate` makes of one window: a verdict without a Decision.
+
+    ``label``/``score``/``probabilities``/``top_signals``/``rules_fired`` mean what they mean
+    in :class:`~edge_agent.rules.Decision`; ``latency_ms`` is the evaluation's own time.
+    """
+
+    label: str
+    score: float
+    probabilities: Mapping[str, float]
+    top_signals: tuple[tuple[str, float], ...]
+    rules_fired: tuple[RuleFiring, ...]
+    model_sha256: str
+    latency_ms: float
+
+
 def percentiles(samples: Sequence[float] | deque[float]) -> dict[str, float]:
     """P50/P99/max of ``samples`` (0 when empty), rounded to 0.1."""
     if not samples:
@@ -275,7 +293,7 @@ class ReasoningStage:
             columns = np.array([per.signals.index(s) for s in m.signals], dtype=np.intp)
         mean, noise = _occlusion_constants(m)
         model.predict(mean + noise)  # warm-up, see above
-        return PreparedModel(
+        prepared = PreparedModel(
             model=model,
             rules=compiled,
             columns=columns,
@@ -283,6 +301,13 @@ class ReasoningStage:
             normal_mean=mean,
             step_noise=noise,
         )
+        # The first attribution in a process also pays one-time costs (~35 ms measured,
+        # numpy's lazily set-up median among them): pay them here, not on the first alarm.
+        if compiled.top_k:
+            for label in compiled.labels:
+                if label != NORMAL:
+                    _occlusion(prepared, mean + noise, label, 1.0)
+        return prepared
 
     def swap(self, prepared: PreparedModel) -> Scorer:
         """Install ``prepared`` between two windows; returns the model it replaced.
@@ -337,13 +362,9 @@ class ReasoningStage:
         attribution = "none"
         ran = breaker.should_run()
         if ran:
-            values = window.values if active.columns is None else window.values[:, active.columns]
-            held = self._held_signals(window)
-            if held is not None:
-                values = _neutralise_stale(active, values, held, active.columns)
-            probs = active.model.predict(values)
-            plist = probs.tolist()
-            label, score = rules.winner(plist, allowed)
+            values, plist, label, score = _score(
+                active, window, self._held_signals(window), allowed
+            )
             levels.update(rules.levels(plist, allowed))
             probabilities = dict(zip(rules.labels, plist, strict=True))
             self._held = (label, score)
@@ -393,6 +414,38 @@ class ReasoningStage:
             },
         )
 
+    def evaluate(self, window: Window) -> Evaluation:
+        """Score ``window`` as :meth:`process` would, changing nothing in the stage.
+
+        For probes (the health API): the same column selection, stale neutralisation, model
+        run, masks, winner and (off the normal path) occlusion, but no alarm tracker, breaker,
+        counters, trace id or memory of the previous window. So the model runs even when the
+        breaker has degraded the stage, and the held columns are those of this window alone:
+        process() also neutralises a signal that was stale at the end of the previous window,
+        and a probe window has no previous one.
+        """
+        t0 = self.timer()
+        active = self._active
+        rules = active.rules
+        allowed, fired = rules.masks(window.values)
+        finding = dropout_finding(window.signals, window.stale)
+        if finding is not None:
+            fired.append(finding)
+        held = window.stale | np.isnan(window.values[0])
+        values, plist, label, score = _score(active, window, held if held.any() else None, allowed)
+        top: tuple[tuple[str, float], ...] = ()
+        if label != NORMAL and rules.top_k:
+            top = _occlusion(active, values, label, score)
+        return Evaluation(
+            label=label,
+            score=score,
+            probabilities=dict(zip(rules.labels, plist, strict=True)),
+            top_signals=top,
+            rules_fired=tuple(fired),
+            model_sha256=active.sha256,
+            latency_ms=(self.timer() - t0) / 1e6,
+        )
+
     def _held_signals(self, window: Window) -> npt.NDArray[np.bool_] | None:
         """Signals whose column is (partly) a held value, or None when there are none.
 
@@ -434,6 +487,22 @@ class ReasoningStage:
                 "reasoning": percentiles(st.reasoning_us),
             },
         }
+
+
+def _score(
+    active: PreparedModel,
+    window: Window,
+    held: npt.NDArray[np.bool_] | None,
+    allowed: list[bool],
+) -> tuple[FloatArray, list[float], str, float]:
+    """The model's view of ``window`` (``held`` columns neutralised), its probabilities and
+    the winning allowed label with its score: the part shared by process() and evaluate()."""
+    values = window.values if active.columns is None else window.values[:, active.columns]
+    if held is not None:
+        values = _neutralise_stale(active, values, held, active.columns)
+    plist: list[float] = active.model.predict(values).tolist()
+    label, score = active.rules.winner(plist, allowed)
+    return values, plist, label, score
 
 
 def _neutralise_stale(
@@ -530,6 +599,7 @@ __all__ = [
     "LATENCY_HISTORY",
     "LEVEL_LABELS",
     "DropOldestQueue",
+    "Evaluation",
     "ModelMismatch",
     "PreparedModel",
     "ReasoningStage",

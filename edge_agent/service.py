@@ -1,10 +1,30 @@
-"""The running agent: sources -> bounded buffer -> perception -> reasoning, in one TaskGroup.
+"""The running agent: sources -> perception -> memory -> reasoning, under a gate schedule.
 
-This is the I/O shell around the pure parts: it owns the clock, the tasks and the logs.
-Perception hands each window to reasoning through a depth-2 drop-oldest queue (a window
-that waited behind a newer one is stale; drops are counted). Decisions go to the log for
-now: INFO when an alarm rises or clears or the label changes, DEBUG otherwise; the MQTT
-outbox (a later issue) takes them from :meth:`Agent._decide`. Memory plugs in between.
+This is the I/O shell around the pure parts: it owns the clock, the tasks, the API and the
+logs. Every task runs in one ``TaskGroup`` and has a name; every queue is bounded.
+
+How a window travels
+--------------------
+Drivers put samples into one bounded :class:`SampleBuffer` (drop oldest, counted). The
+gate scheduler (:mod:`edge_agent.gates`) opens each stage's gate at the times the
+``[schedule]`` gate control list gives; inside its gate a stage does its work and stops
+taking new work when the gate closes:
+
+* perception drains the buffer, advances the grid and puts due windows into the memory
+  queue (depth :data:`MEMORY_QUEUE_DEPTH`, drop oldest, counted);
+* memory stores each window and passes it on to the reasoning queue (depth 2, drop
+  oldest, counted); it stops while that queue is full, so a window waits in one bounded
+  place, never in an unbounded one;
+* reasoning decides about each window; the Decision goes to the log (the MQTT outbox of
+  a later issue takes it from :meth:`Agent._decide`) and to memory.
+
+When the pipeline falls behind, the skip policy is the queues': the oldest window goes,
+and ``drops`` says how many. By default one gate entry opens all three stages, starting
+when windows close, so a window flows through the whole pipeline in one go.
+
+Shutdown (SIGTERM/SIGINT): stop the sources and the gates, run whatever is queued through
+every stage regardless of gates, flush memory and write its final checkpoint; a few
+hundred ms in practice, and the systemd unit allows 10 s.
 """
 
 from __future__ import annotations
@@ -12,12 +32,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -25,23 +48,36 @@ from drivers.backoff import backoff_delay
 from drivers.buffer import SampleBuffer
 from drivers.errors import DriverError
 from drivers.source import Source, open_source
+from edge_agent import __version__
+from edge_agent.api import HealthApi
 from edge_agent.config import AgentConfig
-from edge_agent.errors import ModelMismatch, ReasoningError
+from edge_agent.errors import ModelMismatch, ReasoningError, ServiceError
+from edge_agent.gates import GateScheduler
+from edge_agent.gcl import STAGES
 from edge_agent.memory.stage import MemoryStage
+from edge_agent.metrics import AgentMetrics
 from edge_agent.perception import Aligner, Window
+from edge_agent.probe import Probe, ProbeResult, run_probe
 from edge_agent.reasoning import DropOldestQueue, PreparedModel, ReasoningStage, Scorer
 from edge_agent.rules import Decision
+from edge_agent.sdnotify import Notifier, watchdog_interval_s, watchdog_loop
 from models import load_model
 from models.errors import ModelError
 
 log = logging.getLogger(__name__)
 
-#: How often perception drains the buffer and checks for due windows. A window is due
-#: ``lateness_ms`` after its last point, so this adds at most one tick of delay.
-PERCEPTION_TICK_S = 0.01
+#: Windows waiting for memory. A gate normally sees one or two windows; after a stall
+#: perception catches up with up to ``max_catch_up_windows`` at once, and beyond this the
+#: oldest are dropped (counted).
+MEMORY_QUEUE_DEPTH = 8
 #: Windows waiting for reasoning. Two: one being decided about, one arriving meanwhile;
 #: beyond that reasoning is behind and the oldest window is dropped (and counted).
 REASONING_QUEUE_DEPTH = 2
+#: Latencies kept for the percentiles in status(); 10,000 gives a meaningful P99.9.
+LATENCY_HISTORY = 10_000
+#: Send READY=1 even when a source is not up after this long: systemd would otherwise kill
+#: and restart an agent whose PLC is simply switched off, which helps nobody.
+READY_GRACE_S = 10.0
 
 
 @dataclass(slots=True)
@@ -62,6 +98,7 @@ class RunReport:
     decisions: int = 0
     alarms_raised: int = 0
     perception_overruns: int = 0
+    memory_overruns: int = 0
     completeness_sum: float = 0.0
     max_jitter_ms: float = 0.0
     last_window: Window | None = None
@@ -72,8 +109,17 @@ class RunReport:
         return self.completeness_sum / self.windows if self.windows else 0.0
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A window between stages, with what the stages before measured."""
+
+    window: Window
+    perception_ms: float
+    memory_ms: float = 0.0
+
+
 class Agent:
-    """Wires the configured sources into perception and keeps them running.
+    """Wires the configured sources through the stages and keeps them running.
 
     A source that fails is logged and restarted with jittered backoff; it never takes the
     agent or the other sources down. ``on_window`` (optional) sees every window, e.g. the
@@ -82,6 +128,7 @@ class Agent:
     With ``[reasoning] enabled`` (the default) the model is loaded here, before anything
     runs: a model that cannot be loaded or does not fit the config raises
     :class:`ReasoningError`, which is fatal at start (the CLI prints it and exits).
+    ``notifier`` is systemd's (default: from ``NOTIFY_SOCKET``, a no-op without it).
     """
 
     def __init__(
@@ -91,9 +138,11 @@ class Agent:
         clock_ns: Callable[[], int] = time.time_ns,
         on_window: Callable[[Window], None] | None = None,
         on_decision: Callable[[Decision], None] | None = None,
+        notifier: Notifier | None = None,
     ) -> None:
         self.config = config
         self.clock_ns = clock_ns
+        self.started_mono = time.monotonic()
         self.buffer = SampleBuffer(config.queue_size)
         self.aligner = Aligner(config.perception)
         self.stage = build_stage(config) if config.reasoning.enabled else None
@@ -111,43 +160,124 @@ class Agent:
         )
         self.sources: list[Source] = [open_source(spec) for spec in config.sources]
         self.report = RunReport(sources={s.name: SourceHealth() for s in self.sources})
-        self.reasoning_queue: DropOldestQueue[tuple[Window, float]] = DropOldestQueue(
-            REASONING_QUEUE_DEPTH
+        self.memory_queue: DropOldestQueue[_InFlight] = DropOldestQueue(MEMORY_QUEUE_DEPTH)
+        self.reasoning_queue: DropOldestQueue[_InFlight] = DropOldestQueue(REASONING_QUEUE_DEPTH)
+        self.metrics = AgentMetrics()
+        self.metrics.register_status(self.status)
+        self.gcl = config.gate_control_list
+        self.scheduler = GateScheduler(
+            self.gcl,
+            {
+                "perception": self._gate_perception,
+                "memory": self._gate_memory,
+                "reasoning": self._gate_reasoning,
+            },
+            clock_ns=clock_ns,
+            on_gate=self.metrics.observe_gate,
         )
+        #: Gate runs each stage completed: what the systemd watchdog checks.
+        self.progress: dict[str, int] = dict.fromkeys(STAGES, 0)
+        self.stage_errors: dict[str, int] = dict.fromkeys(STAGES, 0)
+        self._failing: set[str] = set()
+        self.e2e_us: deque[float] = deque(maxlen=LATENCY_HISTORY)
+        self.memory_us: deque[float] = deque(maxlen=LATENCY_HISTORY)
+        self.notifier = notifier if notifier is not None else Notifier.from_env()
+        self.ready_s: float | None = None
+        self._lateness_ns = round(config.perception.lateness_ms * 1e6)
         self._on_window_cb = on_window
         self._on_decision_cb = on_decision
         self._last_windows = 0
         self._last_time = 0.0
         self._last_label = "normal"
         self._mode = "full"
-        self._perception_budget_ms = config.reasoning.budget_ms["perception"]
+        self._budget_ms = config.reasoning.budget_ms
+        self._api: HealthApi | None = None
+        self.loop_name = "-"
+
+    @property
+    def signals(self) -> Sequence[str]:
+        return self.config.perception.signals
+
+    @property
+    def api_port(self) -> int | None:
+        """The health API's bound port once it runs (useful with ``port = 0``)."""
+        return self._api.port if self._api is not None else None
 
     async def run(self, stop: asyncio.Event) -> RunReport:
-        """Run until ``stop`` is set; then cancel sources, flush perception and return."""
+        """Run until ``stop`` is set; then stop sources and gates, drain and return."""
+        self.loop_name = type(asyncio.get_running_loop()).__module__.split(".")[0]
         async with contextlib.AsyncExitStack() as stack:
             if self.memory is not None:
                 # Closing it last flushes every batch and writes the final checkpoint.
                 await stack.enter_async_context(self.memory)
+            if self.config.api.enabled:
+                api = self.config.api
+                self._api = HealthApi(self, api)
+                try:
+                    await stack.enter_async_context(self._api)
+                except OSError as exc:
+                    raise ServiceError(
+                        f"health API cannot listen on {api.host}:{api.port}: "
+                        f"{exc.strerror or exc}; change [api] port (or set enabled = false)"
+                    ) from None
             async with asyncio.TaskGroup() as tg:
                 tasks = [
                     tg.create_task(self._keep_running(src), name=f"source:{src.name}")
                     for src in self.sources
                 ]
-                tasks.append(tg.create_task(self._perceive(), name="perception"))
-                tasks.append(tg.create_task(self._reason(), name="memory+reasoning"))
+                tasks.append(tg.create_task(self.scheduler.run(), name="gates"))
                 if self.memory is not None:
                     tasks.append(tg.create_task(self.memory.run(), name="memory-maintenance"))
                 tasks.append(tg.create_task(self._log_stats(), name="stats"))
+                tasks.append(tg.create_task(self._announce_ready(), name="ready"))
+                interval = watchdog_interval_s()
+                if interval is not None:
+                    tasks.append(
+                        tg.create_task(
+                            watchdog_loop(
+                                self.notifier, self._progress, self._watched_stages(), interval
+                            ),
+                            name="watchdog",
+                        )
+                    )
                 await stop.wait()
+                self.notifier.stopping()
                 for task in tasks:
                     task.cancel()
-            # Samples that arrived before the stop still count, and so do their windows.
-            self.aligner.push_many(self.buffer.drain())
-            self._emit(self.aligner.advance(self.clock_ns()))
-            while (item := self.reasoning_queue.get_nowait()) is not None:
-                self._decide(*item)
+            self._drain()
             self._log_line(final=True)
         return self.report
+
+    # -- readiness and liveness -------------------------------------------------------------
+
+    def _progress(self) -> Mapping[str, int]:
+        return self.progress
+
+    def _watched_stages(self) -> tuple[str, ...]:
+        return STAGES
+
+    def sources_up(self) -> dict[str, bool]:
+        """Whether each source has its bus open or has delivered data."""
+        return {s.name: _is_up(s.stats()) for s in self.sources}
+
+    async def _announce_ready(self) -> None:
+        """READY=1 once every source is up (or after :data:`READY_GRACE_S`, saying which not)."""
+        deadline = time.monotonic() + READY_GRACE_S
+        while True:
+            up = self.sources_up()
+            down = [name for name, ok in up.items() if not ok]
+            if not down or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.02)
+        self.ready_s = time.monotonic() - self.started_mono
+        text = "running" if not down else f"running; not up yet: {', '.join(down)}"
+        self.notifier.ready(status=text)
+        if down:
+            log.warning("ready after %.1f s with sources not up: %s", self.ready_s, ", ".join(down))
+        else:
+            log.info("ready: %d source(s) up after %.2f s", len(up), self.ready_s)
+
+    # -- sources ----------------------------------------------------------------------------
 
     async def _keep_running(self, source: Source) -> None:
         health = self.report.sources[source.name]
@@ -174,22 +304,53 @@ class Agent:
             log.info("restarting source %s in %.1f s", source.name, delay)
             await asyncio.sleep(delay)
 
-    async def _perceive(self) -> None:
-        while True:
-            await asyncio.sleep(PERCEPTION_TICK_S)
-            t0 = time.perf_counter_ns()
-            samples = self.buffer.drain()
-            self.report.samples += len(samples)
-            self.aligner.push_many(samples)
-            windows = self.aligner.advance(self.clock_ns())
-            # Perception's latency of a window: this tick's alignment work, shared by the
+    # -- the stages, each called by the gate scheduler inside its gate ------------------------
+
+    def _guarded(self, stage: str, work: Callable[[], int]) -> None:
+        """Run one gate's work (which returns how many windows it handled).
+
+        A bug in a stage is logged and counted, never fatal; the stage then counts as
+        failing (no progress for the watchdog) until it handles a window successfully again.
+        An empty gate keeps the stage's state: it proves the gate opens, not that the
+        stage can do its work.
+        """
+        try:
+            handled = work()
+        except Exception:
+            self._failing.add(stage)
+            self.stage_errors[stage] += 1
+            if self.stage_errors[stage] <= 10 or self.stage_errors[stage] % 1000 == 0:
+                log.exception("%s failed (%d times)", stage, self.stage_errors[stage])
+            return
+        if handled:
+            self._failing.discard(stage)
+        if stage not in self._failing:
+            self.progress[stage] += 1
+
+    def _gate_perception(self, close_ns: int) -> None:
+        self._guarded("perception", self._perceive)
+
+    def _gate_memory(self, close_ns: int) -> None:
+        self._guarded("memory", lambda: self._remember(close_ns))
+
+    def _gate_reasoning(self, close_ns: int) -> None:
+        self._guarded("reasoning", lambda: self._reason(close_ns))
+
+    def _perceive(self) -> int:
+        t0 = time.perf_counter_ns()
+        samples = self.buffer.drain()
+        self.report.samples += len(samples)
+        self.aligner.push_many(samples)
+        windows = self.aligner.advance(self.clock_ns())
+        if windows:
+            # Perception's latency of a window: this gate's alignment work, shared by the
             # windows it produced (usually one).
-            if windows:
-                elapsed_ms = (time.perf_counter_ns() - t0) / 1e6
-                self._emit(windows, elapsed_ms / len(windows))
+            self._emit(windows, (time.perf_counter_ns() - t0) / 1e6 / len(windows))
+        # Draining and advancing is the whole job; it succeeded even with no window due.
+        return 1
 
     def _emit(self, windows: list[Window], perception_ms: float = 0.0) -> None:
-        if perception_ms > self._perception_budget_ms:
+        if perception_ms > self._budget_ms["perception"]:
             self.report.perception_overruns += len(windows)
         for w in windows:
             self.report.windows += 1
@@ -198,28 +359,64 @@ class Agent:
             self.report.last_window = w
             if self._on_window_cb is not None:
                 self._on_window_cb(w)
-            dropped = self.reasoning_queue.put_nowait((w, perception_ms))
+            dropped = self.memory_queue.put_nowait(_InFlight(w, perception_ms))
             if dropped is not None:
-                log.warning("memory/reasoning is behind: dropped window %d", dropped[0].seq)
+                log.warning("pipeline behind: dropped window %d before memory", dropped.window.seq)
 
-    async def _reason(self) -> None:
-        while True:
-            window, perception_ms = await self.reasoning_queue.get()
-            # Inline on the loop, on purpose: memory only appends to its writer's batch (the
-            # commit runs in its own thread) and the model's invoke() takes tens of µs; a
-            # thread hop would cost more than either.
-            self._decide(window, perception_ms)
+    def _remember(self, close_ns: int | None) -> int:
+        """Store queued windows and pass them on, while the gate is open and reasoning has room."""
+        q, out = self.memory_queue, self.reasoning_queue
+        handled = 0
+        while len(q) and (close_ns is None or self.clock_ns() < close_ns):
+            if self.stage is not None and len(out) >= out.maxlen and close_ns is not None:
+                break  # reasoning is behind: the window waits here (bounded) instead
+            item = q.get_nowait()
+            assert item is not None
+            handled += 1
+            if self.memory is not None:
+                ctx = self.memory.process(item.window, now_ns=self.clock_ns())
+                item.memory_ms = ctx.latency_ms
+                self.memory_us.append(ctx.latency_ms * 1000.0)
+                if item.memory_ms > self._budget_ms["memory"]:
+                    self.report.memory_overruns += 1
+            if self.stage is None:
+                continue
+            dropped = out.put_nowait(item)
+            if dropped is not None:
+                log.warning("reasoning is behind: dropped window %d", dropped.window.seq)
+        return handled
 
-    def _decide(self, window: Window, perception_ms: float) -> None:
-        memory_ms = 0.0
-        if self.memory is not None:
-            memory_ms = self.memory.process(window, now_ns=self.clock_ns()).latency_ms
+    def _reason(self, close_ns: int | None) -> int:
+        q = self.reasoning_queue
+        handled = 0
+        while len(q) and (close_ns is None or self.clock_ns() < close_ns):
+            item = q.get_nowait()
+            assert item is not None
+            handled += 1
+            self._decide(item)
+        return handled
+
+    def _drain(self) -> None:
+        """At shutdown: every sample and window still in the agent goes through every stage."""
+        self.aligner.push_many(self.buffer.drain())
+        self._emit(self.aligner.advance(self.clock_ns()))
+        while len(self.memory_queue) or len(self.reasoning_queue):
+            self._remember(None)
+            self._reason(None)
+
+    def _decide(self, item: _InFlight) -> None:
         stage = self.stage
         if stage is None:
             return
-        d = stage.process(window, self.clock_ns(), perception_ms, memory_ms)
+        window = item.window
+        d = stage.process(window, self.clock_ns(), item.perception_ms, item.memory_ms)
         if self.memory is not None:
             self.memory.record_decision(d, now_ns=d.t_ns, window_seq=d.window_seq)
+        # End to end: from the instant the window could close (its last grid point plus
+        # the lateness allowance) to its decision.
+        e2e_ns = d.t_ns - (window.end_ns + self._lateness_ns)
+        self.e2e_us.append(e2e_ns / 1000.0)
+        self.metrics.observe_decision(d.stage_latency_ms, e2e_ns / 1e9, d.label)
         mode = stage.breaker.mode  # the mode for the next window
         if mode != self._mode:
             b = stage.breaker
@@ -244,6 +441,32 @@ class Agent:
             log.log(level, "%s", describe(d))
         if self._on_decision_cb is not None:
             self._on_decision_cb(d)
+
+    # -- the health API's view --------------------------------------------------------------
+
+    def probe(self, probe: Probe) -> ProbeResult:
+        """Push a probe through perception, memory and reasoning without touching their state."""
+        return run_probe(
+            probe,
+            spec=self.config.perception,
+            last=self.report.last_window,
+            memory=self.memory,
+            reasoning=self.stage,
+            now_ns=self.clock_ns(),
+        )
+
+    def health_status(self) -> str:
+        """``ok``, or ``degraded`` when a source is down, reasoning degraded or a stage failing."""
+        if not all(self.sources_up().values()):
+            return "degraded"
+        if self.stage is not None and self.stage.breaker.mode != "full":
+            return "degraded"
+        if any(
+            self.report.sources[s.name].last_error and not self.report.sources[s.name].running
+            for s in self.sources
+        ):
+            return "degraded"
+        return "ok"
 
     async def reload_model(self, model_dir: Path | None = None) -> Scorer:
         """Load, check and serve the model in ``model_dir`` (default: the configured one).
@@ -271,6 +494,8 @@ class Agent:
         m = prepared.model.manifest
         log.info("model swapped: now %s %s sha256=%s", m.name, m.version, prepared.sha256[:12])
         return old
+
+    # -- reporting --------------------------------------------------------------------------
 
     async def _log_stats(self) -> None:
         interval = self.config.agent.stats_interval_s
@@ -310,9 +535,21 @@ class Agent:
                 snap["labels"],
                 ",".join(self.stage.tracker.active()) or "-",
                 self.stage.breaker.mode,
-                self.reasoning_queue.dropped,
+                self.reasoning_queue.dropped + self.memory_queue.dropped,
                 lat["reasoning"]["p99"],
             )
+        g = self.scheduler.snapshot()
+        log.info(
+            "gates: e2e_p99_us=%.0f %s",
+            latency_percentiles(self.e2e_us)["p99"],
+            " ".join(
+                f"{name}:late_p99_us={e['lateness_us']['p99']:.0f},missed={e['missed']}"
+                for name, e in g.get("entries", {}).items()
+                if e.get("openings")
+            )
+            + " overruns="
+            + ",".join(f"{k}:{v['overruns']}" for k, v in g.get("stages", {}).items()),
+        )
         if self.memory is not None:
             ms = self.memory.stats()
             log.info(
@@ -343,20 +580,33 @@ class Agent:
                     ),
                 )
 
-    def status(self) -> dict[str, object]:
-        """A JSON-ready snapshot: counters of perception, reasoning, buffer and every source."""
+    def status(self) -> dict[str, Any]:
+        """A JSON-ready snapshot: versions, model, sources, stages, queues, gates, latencies."""
         st = self.aligner.stats
         reasoning: dict[str, object] = {"enabled": self.stage is not None}
         if self.stage is not None:
-            q = self.reasoning_queue
             reasoning.update(self.stage.snapshot())
-            reasoning["queue"] = {
-                "depth": len(q),
-                "max": q.maxlen,
-                "dropped": q.dropped,
-                "high_water": q.high_water,
-            }
+        up = self.sources_up()
+        latency: dict[str, object] = {
+            "e2e": latency_percentiles(self.e2e_us),
+            "memory": latency_percentiles(self.memory_us),
+        }
+        if self.stage is not None:
+            lat = self.stage.stats
+            latency["perception"] = latency_percentiles(lat.perception_us)
+            latency["reasoning"] = latency_percentiles(lat.reasoning_us)
         return {
+            "agent": {
+                "device": self.config.agent.device,
+                "site": self.config.agent.site,
+                "device_type": self.config.agent.device_type,
+                "version": __version__,
+                "loop": self.loop_name,
+                "pid": os.getpid(),
+                "uptime_s": round(time.monotonic() - self.started_mono, 3),
+                "ready_s": None if self.ready_s is None else round(self.ready_s, 3),
+                "health": self.health_status(),
+            },
             "windows": self.report.windows,
             "mean_completeness": round(self.report.mean_completeness, 4),
             "max_jitter_ms": round(self.report.max_jitter_ms, 3),
@@ -374,17 +624,58 @@ class Agent:
                 "windows_skipped": st.windows_skipped,
                 "budget_overruns": self.report.perception_overruns,
             },
+            "queues": {
+                name: {
+                    "depth": len(q),
+                    "max": q.maxlen,
+                    "dropped": q.dropped,
+                    "high_water": q.high_water,
+                }
+                for name, q in (("memory", self.memory_queue), ("reasoning", self.reasoning_queue))
+            },
+            "stages": {
+                stage: {"gate_runs": self.progress[stage], "errors": self.stage_errors[stage]}
+                for stage in STAGES
+            },
             "reasoning": reasoning,
             "memory": self.memory.stats() if self.memory is not None else {"enabled": False},
+            "gates": self.scheduler.snapshot(),
+            "latency_us": latency,
             "sources": {
                 s.name: {
                     **dict(s.stats()),
+                    "up": up[s.name],
                     "restarts": self.report.sources[s.name].restarts,
                     "last_error": self.report.sources[s.name].last_error,
                 }
                 for s in self.sources
             },
         }
+
+
+def latency_percentiles(samples: deque[float]) -> dict[str, float | int]:
+    """P50/P99/P99.9/max in µs (rounded to 0.1) and the count; zeros when empty."""
+    if not samples:
+        return {"p50": 0.0, "p99": 0.0, "p999": 0.0, "max": 0.0, "n": 0}
+    arr = np.fromiter(samples, dtype=np.float64, count=len(samples))
+    p50, p99, p999 = np.percentile(arr, [50, 99, 99.9])
+    return {
+        "p50": round(float(p50), 1),
+        "p99": round(float(p99), 1),
+        "p999": round(float(p999), 1),
+        "max": round(float(arr.max()), 1),
+        "n": len(samples),
+    }
+
+
+def _is_up(stats: Mapping[str, int | float | str]) -> bool:
+    """A source is up once its bus is open, its device connected, or data came in."""
+    if stats.get("state") == "open" or stats.get("connected") == 1:
+        return True
+    return any(
+        isinstance(stats.get(k), int) and int(stats[k]) > 0
+        for k in ("samples", "frames", "replies")
+    )
 
 
 def build_stage(config: AgentConfig) -> ReasoningStage:
@@ -444,8 +735,17 @@ def _brief(stats: Mapping[str, int | float | str]) -> str:
     return " ".join(f"{k}={stats[k]}" for k in keys if k in stats)
 
 
-async def run_until_signalled(agent: Agent, duration_s: float | None = None) -> RunReport:
-    """Run ``agent`` until SIGINT/SIGTERM (or ``duration_s``), for the CLI."""
+async def run_until_signalled(
+    agent: Agent,
+    duration_s: float | None = None,
+    *,
+    alongside: Callable[[asyncio.Event], Coroutine[Any, Any, None]] | None = None,
+) -> RunReport:
+    """Run ``agent`` until SIGINT/SIGTERM (or ``duration_s``), for the CLI.
+
+    ``alongside`` (e.g. the demo's live view) runs next to the agent and is told, through
+    the event it gets, when the agent has finished (its final flush included).
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -453,4 +753,13 @@ async def run_until_signalled(agent: Agent, duration_s: float | None = None) -> 
             loop.add_signal_handler(sig, stop.set)
     if duration_s is not None:
         loop.call_later(duration_s, stop.set)
-    return await agent.run(stop)
+    if alongside is None:
+        return await agent.run(stop)
+    done = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(alongside(done), name="alongside")
+        try:
+            report = await agent.run(stop)
+        finally:
+            done.set()
+    return report

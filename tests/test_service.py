@@ -40,6 +40,7 @@ def example_text() -> str:
         (EXAMPLES / "agent.toml")
         .read_text()
         .replace('state_dir = "../var/demo-gw-01"', f'state_dir = "{state}"')
+        .replace("port = 8080", "port = 0")
     )
 
 
@@ -155,7 +156,9 @@ def test_agent_decides_about_every_window() -> None:
     assert isinstance(reasoning, dict)
     assert reasoning["decisions"] == len(decisions)
     assert sum(reasoning["labels"].values()) == len(decisions)
-    assert reasoning["queue"]["dropped"] == 0
+    queues = status["queues"]
+    assert isinstance(queues, dict)
+    assert queues["memory"]["dropped"] == queues["reasoning"]["dropped"] == 0
     assert reasoning["model"]["sha256"] == sha
     assert reasoning["breaker"]["mode"] == "full"
     assert reasoning["latency_us"]["reasoning"]["p99"] > 0

@@ -511,6 +511,33 @@ class MemoryStage:
             latency_ms=elapsed / 1e6,
         )
 
+    def probe(self, window: Window, *, now_ns: int) -> MemoryContext:
+        """The context :meth:`process` would return for ``window``, changing nothing.
+
+        For health probes: the window is not pushed into working memory, not folded into
+        the baselines (a copy is), not stored, not counted; ``persisted`` is False.
+        ``recent`` is working memory with ``window`` appended as process() would have it.
+        ``now_ns`` is the caller's clock, as for process(); nothing here is stamped with it.
+        """
+        del now_ns  # same signature as process(); a probe writes nothing to stamp
+        started = time.perf_counter_ns()
+        values, _ = self._select_columns(window, count=False)
+        baselines = self.baselines.copy()
+        baselines.update(values, window.start_ns, window.period_ns)
+        mean, std, drift = baselines.summary()
+        recent = (*self.ring.windows(), window)[-self.ring.capacity :]
+        return MemoryContext(
+            window=window,
+            signals=self.signals,
+            recent=recent,
+            decisions=self.ring.decisions(),
+            baseline_mean=mean,
+            baseline_std=std,
+            drift=drift,
+            persisted=False,
+            latency_ms=(time.perf_counter_ns() - started) / 1e6,
+        )
+
     def record_decision(
         self, decision: Decision, *, now_ns: int, window_seq: int | None = None
     ) -> bool:
@@ -539,23 +566,29 @@ class MemoryStage:
         return self._writer.submit(WriteItem(events=[(t_ns, kind, sid, text)], now_ns=t_ns))
 
     def _select_columns(
-        self, window: Window
+        self, window: Window, *, count: bool = True
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.bool_]]:
+        """The window's columns in :attr:`signals` order. ``count=False`` (probes) leaves
+        the counters and the layout cache alone: a probe must not hide an unknown layout
+        from the next real window's counts."""
         if window.signals is self.signals or window.signals == self.signals:
             return window.values, window.stale
         cached = self._columns.get(window.signals)
         if cached is None:
             where = {name: i for i, name in enumerate(window.signals)}
             idx = np.array([where.get(s, -1) for s in self.signals], dtype=np.intp)
-            unknown = [s for s in window.signals if s not in set(self.signals)]
-            self._stats.unknown_names.update(unknown[: max(0, 64 - len(self._stats.unknown_names))])
             cached = (idx, idx < 0)
-            if len(self._columns) < 64:
-                self._columns[window.signals] = cached
+            if count:
+                unknown = [s for s in window.signals if s not in set(self.signals)]
+                names = self._stats.unknown_names
+                names.update(unknown[: max(0, 64 - len(names))])
+                if len(self._columns) < 64:
+                    self._columns[window.signals] = cached
         idx, missing = cached
-        st = self._stats
-        st.unknown_signal += len(window.signals) - int(np.count_nonzero(~missing))
-        st.missing_signal += int(np.count_nonzero(missing))
+        if count:
+            st = self._stats
+            st.unknown_signal += len(window.signals) - int(np.count_nonzero(~missing))
+            st.missing_signal += int(np.count_nonzero(missing))
         values = window.values[:, np.where(missing, 0, idx)]
         stale = (
             window.stale[np.where(missing, 0, idx)]
