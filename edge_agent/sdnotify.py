@@ -228,7 +228,7 @@ class ProgressWatch:
     def check(self, counters: Mapping[str, int], now_s: float) -> tuple[bool, str]:
         """``(True, "")`` when every stage advanced since the last ``True``; else
         ``(False, reason)``, the reason naming each stalled stage, e.g.
-        ``"reasoning stalled: no window for 2.1 s (counter 1234)"``.
+        ``"reasoning stalled: no progress for 2.1 s (counter 1234)"``.
 
         The first call only records the counters and returns ``(False, "")``: nothing to
         compare with yet, which is not a stall. A counter lower than before is a reset
@@ -259,7 +259,7 @@ class ProgressWatch:
         if value is None:
             return f"{stage} stalled: no counter"
         idle = now_s - self._moved_at[stage]
-        return f"{stage} stalled: no window for {idle:.1f} s (counter {value})"
+        return f"{stage} stalled: no progress for {idle:.1f} s (counter {value})"
 
 
 async def watchdog_loop(

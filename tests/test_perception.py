@@ -1,12 +1,15 @@
 """Perception: exact grids for known inputs, staleness, late samples, jitter, catch-up."""
 
 import math
+import random
 
 import numpy as np
 import pytest
 
 from drivers.sample import Sample
-from edge_agent.perception import Aligner, PerceptionSpec
+from edge_agent import perception
+from edge_agent.perception import Aligner, PerceptionSpec, Window
+from tests.perception_reference import ReferenceAligner
 
 MS = 1_000_000
 T0 = 1_700_000_000_000_000_000  # a multiple of 10 ms: grid point 0
@@ -174,3 +177,217 @@ def test_grid_is_anchored_to_multiples_of_the_period() -> None:
 def test_spec_rejects_impossible_geometry(kw: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         spec(**kw)
+
+
+# -- incremental building == building every window from scratch ------------------------------
+
+
+def assert_same_window(got: Window, want: Window) -> None:
+    assert (got.seq, got.start_ns, got.period_ns, got.signals) == (
+        want.seq,
+        want.start_ns,
+        want.period_ns,
+        want.signals,
+    )
+    assert got.values.dtype == want.values.dtype == np.float32
+    assert got.values.shape == want.values.shape
+    # Bit for bit (NaN, signed zeros and all), not just close.
+    np.testing.assert_array_equal(got.values.view(np.uint32), want.values.view(np.uint32))
+    np.testing.assert_array_equal(got.stale, want.stale)
+    assert got.completeness == want.completeness
+    assert got.jitter_ms.dtype == np.float32
+    # Exact integer sums vs numpy's two-pass float std: equal up to float rounding.
+    np.testing.assert_allclose(got.jitter_ms, want.jitter_ms, rtol=1e-6, atol=0)
+
+
+def random_stream(rng: random.Random, n_signals: int, seconds: float) -> list[tuple[int, Sample]]:
+    """(push time, sample) pairs: random rates, arrival jitter, silences longer than any
+    staleness, stamps on grid points and duplicated, late arrivals, NaN/inf, unknown names."""
+    t_start = T0 + rng.randrange(10 * MS)
+    t_stop = t_start + int(seconds * 1e9)
+    out: list[tuple[int, Sample]] = []
+    # The last signal is never seen.
+    for i in range(n_signals - 1):
+        name = f"s{i}"
+        # One fast signal (CAN), one slow (Modbus), the rest anything in between.
+        steps = [int(0.5 * MS), MS, 2 * MS, 7 * MS, 10 * MS, 33 * MS, 100 * MS, 300 * MS]
+        step = rng.choice(steps[:3] if i == 0 else steps[-2:] if i == 1 else steps)
+        t = t_start + rng.randrange(step)
+        while t < t_stop:
+            stamp = t + rng.randint(-3 * MS, 3 * MS)
+            if rng.random() < 0.05:
+                stamp -= stamp % (10 * MS)  # exactly on a grid point
+            value = rng.choice([rng.gauss(0.0, 5.0), float(rng.randint(-3, 3)), -0.0])
+            if rng.random() < 0.01:
+                value = rng.choice([math.nan, math.inf, -math.inf])
+            # Mostly within lateness (20 ms); some late.
+            delay = rng.choice([0, 0, rng.randrange(20 * MS), rng.randrange(60 * MS)])
+            out.append((stamp + delay, Sample(name, value, stamp)))
+            if rng.random() < 0.03:  # same stamp twice
+                out.append((stamp + delay + rng.randrange(MS), Sample(name, value + 1.0, stamp)))
+            if rng.random() < 0.01:
+                out.append((stamp + delay, Sample("unknown", 1.0, stamp)))
+            t += step
+            if rng.random() < step / 1e9:  # about once a second: silent beyond any staleness
+                t += rng.randrange(300 * MS, 2_000 * MS)
+    out.sort(key=lambda pair: pair[0])
+    return out
+
+
+def run_both(
+    seed: int, *, window: int, hop: int, interpolation: str, n_signals: int = 7, seconds: float = 3
+) -> int:
+    rng = random.Random(seed)
+    sp = PerceptionSpec(
+        signals=tuple(f"s{i}" for i in range(n_signals)),
+        rate_hz=100.0,
+        window=window,
+        hop=hop,
+        interpolation=interpolation,  # type: ignore[arg-type]
+        max_staleness_ms=rng.choice([15.0, 50.0, 200.0]),
+        lateness_ms=20.0,
+        max_catch_up_windows=rng.choice([1, 4, 16]),
+    )
+    new, ref = Aligner(sp), ReferenceAligner(sp)
+    # The agent is suspended once: more windows fall due than may be caught up. The plant
+    # keeps sending meanwhile, and the stream goes on long enough after it to get back
+    # to one window at a time.
+    stall_ns = (sp.max_catch_up_windows + rng.randint(1, 5)) * hop * sp.period_ns
+    stream = random_stream(rng, n_signals, seconds + stall_ns / 1e9)
+    now = stream[0][0]
+    stall_at = now + int(rng.uniform(0.3, 0.6) * seconds * 1e9)
+    stalled = False
+    k = windows = 0
+    while k < len(stream):
+        now += rng.randrange(1, 15 * MS)
+        if not stalled and now >= stall_at:
+            now += stall_ns
+            stalled = True
+        batch: list[Sample] = []
+        while k < len(stream) and stream[k][0] <= now:
+            batch.append(stream[k][1])
+            k += 1
+        if rng.random() < 0.5:
+            new.push_many(batch)
+        else:
+            for s in batch:
+                new.push(s)
+        ref.push_many(batch)
+        got, want = new.advance(now), ref.advance(now)
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert_same_window(g, w)
+            if rng.random() < 0.1:
+                g.values[:] = 123.0  # a consumer scribbling on its copy changes nothing
+        windows += len(got)
+        assert new.stats == ref.stats
+    assert ref.stats.windows_skipped > 0
+    return windows
+
+
+@pytest.mark.parametrize("interpolation", ["hold", "linear"])
+@pytest.mark.parametrize("hop", [1, 3, 16, 64])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_incremental_windows_equal_full_builds(seed: int, hop: int, interpolation: str) -> None:
+    windows = run_both(
+        seed, window=64, hop=hop, interpolation=interpolation, seconds=max(3, hop / 8)
+    )
+    assert windows > 0
+
+
+@pytest.mark.parametrize("interpolation", ["hold", "linear"])
+@pytest.mark.parametrize(("window", "hop"), [(1, 1), (4, 1), (4, 3), (4, 4), (16, 7)])
+@pytest.mark.parametrize("seed", [4, 5])
+def test_incremental_windows_equal_full_builds_small_windows(
+    seed: int, window: int, hop: int, interpolation: str
+) -> None:
+    run_both(seed, window=window, hop=hop, interpolation=interpolation)
+
+
+@pytest.mark.parametrize("rows_max", [0, 10**9])
+@pytest.mark.parametrize("interpolation", ["hold", "linear"])
+@pytest.mark.parametrize("hop", [1, 16])
+def test_scalar_and_numpy_row_paths_agree(
+    monkeypatch: pytest.MonkeyPatch, rows_max: int, hop: int, interpolation: str
+) -> None:
+    # Every row by the numpy pass, or every row (first window included) one at a time.
+    monkeypatch.setattr(perception, "_SCALAR_ROWS_MAX", rows_max)
+    run_both(6, window=64, hop=hop, interpolation=interpolation)
+
+
+def test_linear_rows_shared_with_the_last_window_follow_later_samples() -> None:
+    # A row's linear value is not final when it is first emitted: the sample after it may
+    # arrive later (stamped after the horizon, so not late) or an earlier one may overtake
+    # the one it used. Each window must show what a full build would at its own emission.
+    sp = spec(window=4, hop=1, interpolation="linear")
+    new, ref = Aligner(sp), ReferenceAligner(sp)
+    both = (new, ref)
+    for al in both:
+        al.push_many([Sample("a", 0.0, T0), Sample("a", 70.0, T0 + 70 * MS)])
+    (w1,) = new.advance(T0 + 50 * MS)
+    (r1,) = ref.advance(T0 + 50 * MS)
+    assert_same_window(w1, r1)
+    np.testing.assert_array_equal(w1.values[:, 0], [0.0, 10.0, 20.0, 30.0])
+    for al in both:
+        al.push(Sample("a", 0.0, T0 + 35 * MS))  # after the horizon (30 ms): accepted
+    (w2,) = new.advance(T0 + 60 * MS)
+    (r2,) = ref.advance(T0 + 60 * MS)
+    assert_same_window(w2, r2)
+    # Rows 10..30 now lean towards the 35 ms sample instead of the 70 ms one.
+    np.testing.assert_array_equal(
+        w2.values[:, 0], np.array([0.0, 0.0, 0.0, 10.0], dtype=np.float32)
+    )
+    for al in both:
+        al.push(Sample("a", 20.0, T0 + 45 * MS))
+    (w3,) = new.advance(T0 + 70 * MS)
+    (r3,) = ref.advance(T0 + 70 * MS)
+    assert_same_window(w3, r3)
+    np.testing.assert_array_equal(
+        w3.values[:, 0], np.array([0.0, 0.0, 10.0, 20.0 + 5 / 25 * 50], dtype=np.float32)
+    )
+    # b never had a sample: NaN throughout, never "recomputed" into a number.
+    assert np.isnan(w3.values[:, 1]).all()
+
+
+def test_hold_rows_shared_with_the_last_window_are_copied_unchanged() -> None:
+    al = Aligner(spec(window=8, hop=1))
+    al.push(Sample("a", 1.0, T0))
+    (w1,) = al.advance(T0 + 90 * MS)
+    al.push(Sample("a", 2.0, T0 + 71 * MS))  # after the horizon (70 ms), before row 80
+    (w2,) = al.advance(T0 + 100 * MS)
+    np.testing.assert_array_equal(w2.values[:-1], w1.values[1:])
+    assert w2.values[-1, 0] == 2.0
+
+
+def test_jitter_survives_a_duplicate_stamp_on_the_next_windows_first_point() -> None:
+    # Pruning keeps only the newest of equal stamps at the next window's start; the carried
+    # jitter sums must shrink their count the same way the full build sees it.
+    sp = spec(window=8, hop=2)
+    new, ref = Aligner(sp), ReferenceAligner(sp)
+    samples = [Sample("a", 1.0, T0 + off * MS) for off in (0, 3, 11, 20, 20, 20, 27, 44, 61)]
+    for al in (new, ref):
+        al.push_many(samples)
+    for now in (T0 + 90 * MS, T0 + 110 * MS, T0 + 130 * MS):
+        got, want = new.advance(now), ref.advance(now)
+        assert len(got) == len(want) == 1
+        assert_same_window(got[0], want[0])
+
+
+def test_scalar_lerp_is_bitwise_the_numpy_column_formula() -> None:
+    # Windows hold float32, which hides most last-bit differences of the float64 arithmetic;
+    # compare the doubles themselves against the expression the full build evaluates.
+    rng = np.random.default_rng(3)
+    n = 20_000
+    t0 = T0 + rng.integers(0, 10**12, n)
+    t1 = t0 + rng.integers(1, 10**10, n)
+    g = t0 + (rng.random(n) * (t1 - t0)).astype(np.int64)
+    v0 = rng.normal(0.0, 1e3, n) * rng.choice([1e-6, 1.0, 1e6], n)
+    v1 = rng.normal(0.0, 1e3, n) * rng.choice([1e-6, 1.0, 1e6], n)
+    want = v0 + ((g - t0) / (t1 - t0)) * (v1 - v0)
+    got = np.array(
+        [
+            perception._lerp(int(a), int(b), int(c), float(d), float(e))
+            for a, b, c, d, e in zip(g, t0, t1, v0, v1, strict=True)
+        ]
+    )
+    np.testing.assert_array_equal(got.view(np.int64), want.view(np.int64))

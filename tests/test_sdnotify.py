@@ -218,16 +218,16 @@ def test_progress_names_the_stalled_stage() -> None:
     assert w.check({"perception": 108, "reasoning": 1234}, 5.0) == (True, "")
     ok, reason = w.check({"perception": 111, "reasoning": 1234}, 7.1)
     assert not ok
-    assert reason == "reasoning stalled: no window for 2.1 s (counter 1234)"
+    assert reason == "reasoning stalled: no progress for 2.1 s (counter 1234)"
     assert w.check({"perception": 115, "reasoning": 1234}, 9.0) == (
         False,
-        "reasoning stalled: no window for 4.0 s (counter 1234)",
+        "reasoning stalled: no progress for 4.0 s (counter 1234)",
     )
     # Reasoning moves again; perception moved during the failed checks, which still counts.
     assert w.check({"perception": 115, "reasoning": 1235}, 11.0) == (True, "")
     assert w.check({"perception": 115, "reasoning": 1236}, 13.0) == (
         False,
-        "perception stalled: no window for 4.0 s (counter 115)",
+        "perception stalled: no progress for 4.0 s (counter 115)",
     )
 
 
@@ -237,8 +237,8 @@ def test_progress_every_stalled_stage_is_named() -> None:
     ok, reason = w.check({"perception": 2, "memory": 1, "reasoning": 1}, 3.0)
     assert not ok
     assert reason == (
-        "memory stalled: no window for 3.0 s (counter 1); "
-        "reasoning stalled: no window for 3.0 s (counter 1)"
+        "memory stalled: no progress for 3.0 s (counter 1); "
+        "reasoning stalled: no progress for 3.0 s (counter 1)"
     )
 
 
@@ -249,7 +249,7 @@ def test_progress_counter_reset_counts_as_advance() -> None:
     # ... but a reset counter that then stays put is a stall like any other.
     assert w.check({"perception": 3, "reasoning": 9}, 10.0) == (
         False,
-        "perception stalled: no window for 5.0 s (counter 3)",
+        "perception stalled: no progress for 5.0 s (counter 3)",
     )
 
 
@@ -323,7 +323,7 @@ def test_watchdog_loop_pings_on_progress_only(
                 earned += 1
             assert earned <= 1
             assert len(got) == 1
-            assert got[0].startswith("STATUS=reasoning stalled: no window for ")
+            assert got[0].startswith("STATUS=reasoning stalled: no progress for ")
             assert got[0].endswith(f" s (counter {counts['reasoning']})")
             assert "perception" not in got[0]
             with pytest.raises(TimeoutError):
