@@ -4,6 +4,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-edgefleet
 PYTEST_ARGS ?=
+# The fleet store tests also run on PostgreSQL when it answers here (CI always gives one).
+PG_DEFAULT := postgresql://postgres@127.0.0.1:5432/test
+EDGEFLEET_TEST_PG_URL ?= $(shell pg_isready -q -d $(PG_DEFAULT) 2>/dev/null && echo $(PG_DEFAULT))
+export EDGEFLEET_TEST_PG_URL
 
 TRAIN_VENV  := .venv-train
 TFLITE_VENV := .venv-tflite
@@ -14,7 +18,7 @@ TFLITE_VENV := .venv-tflite
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@scripts/ensure-system-deps python3-venv iproute2
+	@scripts/ensure-system-deps python3-venv iproute2 mosquitto
 	@$(PYTHON) scripts/check_python.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip

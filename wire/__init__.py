@@ -1,0 +1,40 @@
+"""The wire contract between agents and the fleet: MQTT topics and message schemas.
+
+Defined once, here, and imported by both sides (``edge_agent.uplink`` publishes with it,
+``fleet`` ingests with it), so the two cannot drift apart. See :mod:`wire.topics` and
+:mod:`wire.messages`.
+"""
+
+from wire.messages import (
+    KINDS,
+    MAX_PAYLOAD_BYTES,
+    DecisionMsg,
+    Envelope,
+    Message,
+    OtaStatusMsg,
+    SignalStats,
+    StateMsg,
+    TelemetryMsg,
+    WireError,
+    decode,
+    encode,
+)
+from wire.topics import Topic, parse_topic, topic
+
+__all__ = [
+    "KINDS",
+    "MAX_PAYLOAD_BYTES",
+    "DecisionMsg",
+    "Envelope",
+    "Message",
+    "OtaStatusMsg",
+    "SignalStats",
+    "StateMsg",
+    "TelemetryMsg",
+    "Topic",
+    "WireError",
+    "decode",
+    "encode",
+    "parse_topic",
+    "topic",
+]

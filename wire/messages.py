@@ -1,0 +1,189 @@
+"""Message schemas (msgspec): what every uplink payload may hold, checked strictly.
+
+Every data message carries the envelope ``device``, ``boot_id`` (32 hex digits, new at every
+agent start), ``seq`` (per boot, gap-free over the data streams: telemetry, decision,
+ota/status) and ``t_ns`` (UNIX ns). The fleet stores data idempotently on
+``(device, boot_id, seq)``.
+
+State messages (the retained birth, a clean ``offline`` and the Last Will) are not part of
+the seq stream: a Last Will is composed at connect time and may never be sent, so it cannot
+own a number. Their ``seq`` is the device's watermark instead: the last data seq it had
+assigned when the message was made, which lets the fleet tell a gap from a message still
+on its way.
+
+Payloads are JSON (UTF-8). Unknown fields are rejected, types are exact (an int is not a
+string, a bool is not an int), numbers are finite (JSON has no NaN), sizes are capped
+before parsing. :func:`decode` turns every problem into :class:`WireError` naming where.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+#: Refused before parsing. A 1 s telemetry aggregate of 64 signals is ~5 KB; a decision ~1 KB.
+MAX_PAYLOAD_BYTES = 256 * 1024
+
+Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")]
+Hex32 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")]
+Sha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Text = Annotated[str, msgspec.Meta(max_length=1024)]
+ShortText = Annotated[str, msgspec.Meta(max_length=128)]
+
+
+class WireError(ValueError):
+    """A payload that does not fit the contract. ``where`` is a JSON path (``$.seq``)."""
+
+    def __init__(self, reason: str, where: str = "$") -> None:
+        super().__init__(f"{reason} (at {where})" if where != "$" else reason)
+        self.reason = reason
+        self.where = where
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    pass
+
+
+class Envelope(_Strict, frozen=True):
+    device: Name
+    boot_id: Hex32
+    seq: U63
+    t_ns: U63
+
+
+class StateMsg(Envelope, kw_only=True, frozen=True):
+    """``.../state``: ``online`` (retained birth), ``offline`` (clean stop or Last Will)."""
+
+    state: Literal["online", "offline"]
+    #: False for the Last Will: the broker sent it because the device vanished.
+    clean: bool = True
+    site: Name
+    device_type: Name = "generic"
+    agent_version: ShortText = ""
+    model_sha256: Annotated[str, msgspec.Meta(pattern=r"^([0-9a-f]{64})?$")] = ""
+
+
+class SignalStats(_Strict, array_like=True, frozen=True):
+    """One signal over one period, ``[mean, min, max, last, n]`` on the wire (compact)."""
+
+    mean: float
+    min: float
+    max: float
+    last: float
+    n: Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+
+
+class TelemetryMsg(Envelope, kw_only=True, frozen=True):
+    """``.../telemetry``: per-signal statistics over ``[t_ns - period_ns, t_ns)``.
+
+    ``keyframe`` messages carry every signal; the others only those that moved past their
+    deadband since the last message sent (delta upload), so an absent signal means
+    "unchanged", not "missing".
+    """
+
+    period_ns: Annotated[int, msgspec.Meta(gt=0, le=3_600_000_000_000)]
+    keyframe: bool
+    signals: Annotated[dict[Name, SignalStats], msgspec.Meta(max_length=1024)]
+
+
+class RuleFired(_Strict, frozen=True):
+    rule: ShortText
+    reason: Text
+
+
+class TopSignal(_Strict, frozen=True):
+    signal: Name
+    contribution: float | None
+
+
+class WindowRef(_Strict, frozen=True):
+    seq: U63
+    start_ns: U63
+
+
+class ModelRef(_Strict, frozen=True):
+    sha256: Sha256
+    version: ShortText
+    ran: bool
+
+
+class DecisionMsg(Envelope, kw_only=True, frozen=True):
+    """``.../decision``: :meth:`edge_agent.rules.Decision.to_json` plus the envelope."""
+
+    trace_id: Hex32
+    window: WindowRef
+    model: ModelRef
+    label: Name
+    score: float | None
+    probabilities: Annotated[dict[Name, float | None], msgspec.Meta(max_length=256)]
+    alarms: Annotated[list[Name], msgspec.Meta(max_length=256)]
+    raised: Annotated[list[Name], msgspec.Meta(max_length=256)]
+    cleared: Annotated[list[Name], msgspec.Meta(max_length=256)]
+    rules_fired: Annotated[list[RuleFired], msgspec.Meta(max_length=256)]
+    top_signals: Annotated[list[TopSignal], msgspec.Meta(max_length=256)]
+    attribution: ShortText
+    degraded: bool
+    mode: ShortText
+    stage_latency_ms: Annotated[dict[Name, float | None], msgspec.Meta(max_length=16)]
+
+
+class OtaStatusMsg(Envelope, kw_only=True, frozen=True):
+    """``.../ota/status``: one transition of the device's OTA state machine."""
+
+    bundle_id: ShortText
+    state: Name
+    kind: Literal["model", "config", "agent"] | None = None
+    version: ShortText = ""
+    reason: Text = ""
+    detail: Annotated[dict[Name, Any], msgspec.Meta(max_length=64)] = msgspec.field(
+        default_factory=dict
+    )
+
+
+Message = StateMsg | TelemetryMsg | DecisionMsg | OtaStatusMsg
+
+#: Topic kind -> schema.
+KINDS: dict[str, type[Message]] = {
+    "state": StateMsg,
+    "telemetry": TelemetryMsg,
+    "decision": DecisionMsg,
+    "ota/status": OtaStatusMsg,
+}
+
+_DECODERS: dict[str, msgspec.json.Decoder[Any]] = {
+    kind: msgspec.json.Decoder(cls) for kind, cls in KINDS.items()
+}
+_ENCODER = msgspec.json.Encoder()
+
+
+def decode(kind: str, payload: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> Message:
+    """Parse and check ``payload`` as a message of topic kind ``kind``. Raises WireError."""
+    if len(payload) > max_bytes:
+        raise WireError(f"payload is {len(payload)} bytes; expected at most {max_bytes}")
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        raise WireError(f"unknown message kind {kind!r}; expected one of {', '.join(KINDS)}")
+    try:
+        msg: Message = decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        reason, _, where = text.partition(" - at `")
+        raise WireError(reason, where.rstrip("`") if where else "$") from None
+    except msgspec.DecodeError as exc:
+        raise WireError(f"not a JSON object: {exc}") from None
+    return msg
+
+
+def encode(msg: Message) -> bytes:
+    """The JSON bytes of ``msg`` (compact; what :func:`decode` reads back)."""
+    return _ENCODER.encode(msg)
+
+
+def kind_of(msg: Message) -> str:
+    """The topic kind a message is published under."""
+    for kind, cls in KINDS.items():
+        if type(msg) is cls:
+            return kind
+    raise TypeError(f"not a wire message: {type(msg).__name__}")
