@@ -7,6 +7,7 @@ QoS 1 messages of persistent sessions, as a broker on a real site would.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -57,8 +58,11 @@ class Mosquitto:
     def config_text(self) -> str:
         if self._config is not None:
             return self._config
+        # As root, mosquitto drops to the `mosquitto` user before it opens its persistence
+        # file and log in our folder, and silently writes neither: keep it root.
+        user = "user root\n" if os.geteuid() == 0 else ""
         return (
-            f"listener {self.port} 127.0.0.1\n"
+            user + f"listener {self.port} 127.0.0.1\n"
             "allow_anonymous true\n"
             "persistence true\n"
             f"persistence_location {self.workdir}/\n"
