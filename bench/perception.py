@@ -45,15 +45,15 @@ def make_ticks(
     n_ticks = int(seconds * 1e9 / tick_ns)
     ticks: list[list[Sample]] = [[] for _ in range(n_ticks + 1)]
     names = [f"s{i:02d}" for i in range(signals)]
-    slow = period * 10
-    if sample_rate is None or signals == 1:
-        fast = period if sample_rate is None else int(1e9 / sample_rate)
+    slow = period * 10  # the last signal, to exercise holding
+    if sample_rate is None:
+        fast = period
+    elif signals == 1:
+        fast = slow = int(1e9 / sample_rate)
     else:
         fast = int(1e9 * (signals - 1) / max(sample_rate - 1e9 / slow, 1.0))
     for i, name in enumerate(names):
-        step = slow if i == signals - 1 and signals > 1 else fast
-        if sample_rate is None:
-            step = period * (10 if i == signals - 1 else 1)
+        step = slow if i == signals - 1 else fast
         t = T0
         while t < T0 + int(seconds * 1e9):
             arrival = t + rng.randint(-2 * MS, 2 * MS)

@@ -32,7 +32,6 @@ inter-arrival intervals inside the window (0 with fewer than three samples).
 from __future__ import annotations
 
 import math
-from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -117,9 +116,13 @@ class PerceptionStats:
 
 
 #: Up to this many new rows per window are computed one grid point at a time in Python;
-#: beyond it a numpy pass per signal is cheaper (its fixed cost is a few microseconds per
-#: signal, a scalar cell well under one).
-_SCALAR_ROWS_MAX = 8
+#: beyond it a numpy pass per signal is cheaper (measured: about even at 32-64 rows of 16
+#: signals; a scalar cell costs well under a microsecond, a numpy pass ~20 per signal).
+_SCALAR_ROWS_MAX = 32
+
+#: Pruned samples are deleted once a track has this many (a ``del`` per window per signal
+#: costs more than the memory it frees).
+_COMPACT_AT = 256
 
 #: Intervals are summed as exact integers; numpy's int64 dot is used when it cannot overflow.
 _INT64_MAX = 2**63 - 1
@@ -130,27 +133,32 @@ def _lerp(g: int, t0: int, t1: int, v0: float, v1: float) -> float:
     whole column: int64 differences turned into doubles, then ``v0 + frac * (v1 - v0)``.
     Any other order can differ in the last bit of the double and so, now and then, of the
     float32 cell."""
-    return v0 + (v1 - v0) * float(g - t0) / float(t1 - t0)
+    return v0 + float(g - t0) / float(t1 - t0) * (v1 - v0)
 
 
 class _Track:
     """Time-ordered samples of one signal not yet behind the emitted horizon.
 
-    ``array`` storage so a build can hand a slice to numpy without converting Python lists,
-    while ``bisect`` and appends stay cheap for the one-row-per-window path.
+    Plain lists: with one new row per window the hot path is ``bisect``, indexing and
+    appends, which are 2-3x faster on lists than on ``array('q')``; a build that needs numpy
+    converts only the slice under its rows.
+
+    Samples before ``floor`` are pruned: logically at once (nothing reads them), physically
+    once there are enough of them to make the ``del`` worth its cost.
 
     ``lo``/``hi``/``s2`` carry the jitter sums from one window to the next: ``t[lo:hi]`` are
-    the samples inside the window being built (after a build: inside the part of it the next
-    window shares) and ``s2`` is the exact sum of their squared inter-arrival intervals.
-    ``nxt`` is the first sample after the last emitted point as it was when that window was
-    built; linear rows that interpolate towards it are recomputed only if it has changed.
+    the samples inside the window just built (after the build: inside the part of it the
+    next window shares) and ``s2`` is the exact sum of their squared inter-arrival
+    intervals. ``nxt`` is the first sample after the last emitted point as it was when that
+    window was built; linear rows leaning on it are recomputed only if it has changed.
     """
 
-    __slots__ = ("hi", "lo", "nxt", "s2", "t", "v")
+    __slots__ = ("floor", "hi", "lo", "nxt", "s2", "t", "v")
 
     def __init__(self) -> None:
-        self.t: array[int] = array("q")
-        self.v: array[float] = array("d")
+        self.t: list[int] = []
+        self.v: list[float] = []
+        self.floor = 0
         self.lo = 0
         self.hi = 0
         self.s2 = 0
@@ -165,25 +173,32 @@ class _Track:
             # Out of order but still ahead of the horizon: keep time order. Equal stamps
             # keep arrival order, so the later arrival is the one held.
             i = bisect_right(t, t_ns)
+            if self.floor and i <= self.floor:
+                # Before the kept sample, among the pruned ones (only when windows do not
+                # overlap, so the horizon trails the prune point): delete those first, so
+                # the newcomer is kept and the floor still marks the kept sample.
+                self.compact()
+                i = bisect_right(t, t_ns)
             t.insert(i, t_ns)
             self.v.insert(i, value)
 
-    def prune_before(self, t_ns: int) -> int:
-        """Forget samples older than the newest one at or before ``t_ns`` (still needed to
-        hold); return how many were dropped from the front."""
-        i = bisect_right(self.t, t_ns) - 1
-        if i > 0:
-            del self.t[:i]
-            del self.v[:i]
-            return i
-        return 0
+    def compact(self, at_least: int = 1) -> None:
+        """Delete the pruned samples if there are ``at_least`` of them (indices shift)."""
+        k = self.floor
+        if k < max(at_least, 1):
+            return
+        del self.t[:k]
+        del self.v[:k]
+        self.floor = 0
+        self.lo = max(self.lo - k, 0)
+        self.hi = max(self.hi - k, 0)
 
 
-def _sum_sq_diffs(t: array[int], lo: int, hi: int) -> int:
+def _sum_sq_diffs(t: list[int], lo: int, hi: int) -> int:
     """Exact sum of squared intervals between consecutive ``t[lo:hi]``."""
     if hi - lo < 2:
         return 0
-    d = np.diff(np.frombuffer(t[lo:hi], dtype=np.int64))
+    d = np.diff(np.array(t[lo:hi], dtype=np.int64))
     top = int(d.max())
     if top * top * int(d.size) <= _INT64_MAX:
         return int(np.dot(d, d))
@@ -331,32 +346,12 @@ class Aligner:
         else:
             new_fresh, last_fresh = self._rows_scalar(values, start_ns, keep)
         fresh_rows += new_fresh
-        jitter = self._jitter(start_ns, end_ns, incremental=keep > 0)
-
         # Rows up to end_ns are now final (for linear, see _refresh_linear_tails): a sample
         # stamped at or before end_ns that arrives from now on is late.
         self._horizon_ns = end_ns
         next_start_ns = (start_index + spec.hop) * period
         carry = spec.hop < size
-        for track in self._tracks:
-            t, hi = track.t, track.hi
-            track.nxt = (t[hi], track.v[hi]) if hi < len(t) else None
-            if carry:
-                # Slide the jitter sums to the next window's start while the samples that
-                # leave are still stored (the prune below may drop them).
-                lo = bisect_left(t, next_start_ns, track.lo, hi)
-                s2 = track.s2
-                for j in range(track.lo + 1, min(lo + 1, hi)):
-                    d = t[j] - t[j - 1]
-                    s2 -= d * d
-                track.s2, track.lo = s2, lo
-            dropped = track.prune_before(next_start_ns)
-            if dropped:
-                # Samples before the kept one are either before next_start (outside the sums)
-                # or stamped exactly next_start, like the kept one: their intervals are 0 and
-                # only the count shrinks, as it does for a window built from the pruned track.
-                track.lo = max(track.lo - dropped, 0)
-                track.hi = max(track.hi - dropped, 0)
+        jitter = self._jitter_and_prune(start_ns, end_ns, next_start_ns, keep > 0, carry)
 
         self._prev_start = start_index if carry else None
         self._vals = values.copy()
@@ -408,9 +403,8 @@ class Aligner:
         """Fill rows ``keep:`` one grid point at a time; return fresh cells per new row and the
         last row's fresh flags.
 
-        Same arithmetic as :meth:`_rows_numpy`, operation for operation (``int64`` time
-        differences turned into doubles, then ``v0 + frac * (v1 - v0)`` in doubles), so the
-        float32 cells are bit-identical whichever path built them.
+        Same arithmetic as :meth:`_rows_numpy`, operation for operation (see :func:`_lerp`),
+        so the float32 cells are bit-identical whichever path built them.
         """
         period, staleness, linear = self._period, self._staleness, self._linear
         size = self.spec.window
@@ -457,13 +451,12 @@ class Aligner:
         for i, track in enumerate(self._tracks):
             if not track.t:
                 continue
-            # Only the samples these rows can see: the one held at the first row (or the
-            # track's start) through the one after the last row. A slice of the array is a
-            # copy, so numpy never holds a view that would pin the track's buffer.
+            # Only the samples these rows can see, not the whole track: the one held at the
+            # first row (or the track's start) through the one after the last row.
             a = max(bisect_right(track.t, g_first) - 1, 0)
             b = min(bisect_right(track.t, g_last) + 1, len(track.t))
-            t = np.frombuffer(track.t[a:b], dtype=np.int64)
-            v = np.frombuffer(track.v[a:b], dtype=np.float64)
+            t = np.array(track.t[a:b], dtype=np.int64)
+            v = np.array(track.v[a:b], dtype=np.float64)
             # idx[k]: newest sample at or before grid[k] (-1: none yet).
             idx = np.searchsorted(t, grid, side="right") - 1
             have = idx >= 0
@@ -484,35 +477,56 @@ class Aligner:
         last: list[bool] = fresh[-1].tolist()
         return counts, last
 
-    def _jitter(self, start_ns: int, end_ns: int, *, incremental: bool) -> npt.NDArray[np.float32]:
-        """Population std of each signal's inter-arrival intervals inside the window.
+    def _jitter_and_prune(
+        self, start_ns: int, end_ns: int, next_start_ns: int, incremental: bool, carry: bool
+    ) -> npt.NDArray[np.float32]:
+        """Per signal: the population std of its inter-arrival intervals inside the window,
+        then prune up to the next window and, when it overlaps this one, slide the sums to
+        its start. One loop over the tracks for all of it: this runs every 10 ms.
 
-        From exact integer sums (count, first/last stamp, sum of squared intervals) rather
-        than numpy's two-pass float std: the sums slide with the window in O(new samples),
-        and the result agrees with ``np.diff(t).std()`` to float rounding (1e-6 relative at
-        worst in the equality tests; usually bit-identical after the cast to float32).
+        The std comes from exact integer sums (count, first and last stamp, sum of squared
+        intervals) rather than numpy's two-pass float std, so the sums slide with the window
+        at the cost of the samples that enter and leave. It agrees with
+        ``np.diff(t).std()`` to float rounding: asserted to 1e-6 relative, and in the
+        equality tests bit-identical after the cast to float32.
         """
-        jitter = np.zeros(len(self._tracks), dtype=np.float32)
+        out = [0.0] * len(self._tracks)
+        linear = self._linear
         for i, track in enumerate(self._tracks):
             t = track.t
             if incremental:
                 lo, hi, s2 = track.lo, track.hi, track.s2
                 new_hi = bisect_right(t, end_ns, hi)
-                for j in range(max(hi, lo + 1), new_hi):
+                for j in range(hi if hi > lo else lo + 1, new_hi):
                     d = t[j] - t[j - 1]
                     s2 += d * d
                 hi = new_hi
             else:
-                lo = bisect_left(t, start_ns)
+                lo = max(bisect_left(t, start_ns), track.floor)
                 hi = bisect_right(t, end_ns, lo)
                 s2 = _sum_sq_diffs(t, lo, hi)
-            track.lo, track.hi, track.s2 = lo, hi, s2
             m = hi - lo - 1  # intervals
             if m >= 2:
                 s1 = t[hi - 1] - t[lo]
-                var = (m * s2 - s1 * s1) / (m * m)
-                jitter[i] = math.sqrt(var) / _NS_PER_MS
-        return jitter
+                out[i] = math.sqrt((m * s2 - s1 * s1) / (m * m)) / _NS_PER_MS
+            if linear:
+                track.nxt = (t[hi], track.v[hi]) if hi < len(t) else None
+            # Prune: forget samples older than the newest one at or before next_start (still
+            # needed to hold); of equal stamps exactly there, the last to arrive is kept.
+            floor = track.floor = max(track.floor, bisect_right(t, next_start_ns) - 1)
+            if carry:
+                # The next window's samples start at next_start, but not before the floor:
+                # of equal stamps exactly there, pruning kept only the last (their
+                # intervals are 0, so only the count changes).
+                new_lo = max(bisect_left(t, next_start_ns, lo, hi), floor)
+                for j in range(lo + 1, min(new_lo + 1, hi)):
+                    d = t[j] - t[j - 1]
+                    s2 -= d * d
+                lo = new_lo
+            track.lo, track.hi, track.s2 = lo, hi, s2
+            if floor >= _COMPACT_AT:
+                track.compact()
+        return np.array(out, dtype=np.float32)
 
 
 __all__ = ["Aligner", "Interpolation", "PerceptionSpec", "PerceptionStats", "Window"]

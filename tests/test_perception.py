@@ -304,14 +304,22 @@ def test_incremental_windows_equal_full_builds_small_windows(
     run_both(seed, window=window, hop=hop, interpolation=interpolation)
 
 
-@pytest.mark.parametrize("rows_max", [0, 10**9])
+@pytest.mark.parametrize(
+    ("rows_max", "compact_at"), [(0, 1), (10**9, 10**9), (0, 10**9), (10**9, 1)]
+)
 @pytest.mark.parametrize("interpolation", ["hold", "linear"])
 @pytest.mark.parametrize("hop", [1, 16])
-def test_scalar_and_numpy_row_paths_agree(
-    monkeypatch: pytest.MonkeyPatch, rows_max: int, hop: int, interpolation: str
+def test_cost_tradeoffs_never_change_the_result(
+    monkeypatch: pytest.MonkeyPatch,
+    rows_max: int,
+    compact_at: int,
+    hop: int,
+    interpolation: str,
 ) -> None:
-    # Every row by the numpy pass, or every row (first window included) one at a time.
+    # New rows by numpy passes only, or one cell at a time only (first window included);
+    # pruned samples deleted at once (as the reference does) or never.
     monkeypatch.setattr(perception, "_SCALAR_ROWS_MAX", rows_max)
+    monkeypatch.setattr(perception, "_COMPACT_AT", compact_at)
     run_both(6, window=64, hop=hop, interpolation=interpolation)
 
 
@@ -379,8 +387,9 @@ def test_scalar_lerp_is_bitwise_the_numpy_column_formula() -> None:
     rng = np.random.default_rng(3)
     n = 20_000
     t0 = T0 + rng.integers(0, 10**12, n)
-    t1 = t0 + rng.integers(1, 10**10, n)
-    g = t0 + (rng.random(n) * (t1 - t0)).astype(np.int64)
+    # Gaps up to 2**61 ns too: past 2**53 the int -> double conversion rounds, and so must ours.
+    t1 = t0 + rng.integers(1, 10**10, n) * rng.choice([1, 2**28], n) + rng.integers(0, 999, n)
+    g = t0 + rng.integers(0, t1 - t0)
     v0 = rng.normal(0.0, 1e3, n) * rng.choice([1e-6, 1.0, 1e6], n)
     v1 = rng.normal(0.0, 1e3, n) * rng.choice([1e-6, 1.0, 1e6], n)
     want = v0 + ((g - t0) / (t1 - t0)) * (v1 - v0)
@@ -391,3 +400,32 @@ def test_scalar_lerp_is_bitwise_the_numpy_column_formula() -> None:
         ]
     )
     np.testing.assert_array_equal(got.view(np.int64), want.view(np.int64))
+
+
+def test_out_of_order_sample_before_the_kept_one_when_windows_do_not_overlap() -> None:
+    # hop == window: the prune point (next start) is ahead of the horizon, so a sample can
+    # still arrive before the sample pruning kept. It must neither be lost nor revive the
+    # equal stamps pruning dropped.
+    sp = spec(window=4, hop=4)
+    new, ref = Aligner(sp), ReferenceAligner(sp)
+    first = [Sample("a", 1.0, T0 + off * MS) for off in (0, 12, 22, 40, 40, 40, 47, 55, 62)]
+    for al in (new, ref):
+        al.push_many(first)
+    assert_same_window(new.advance(T0 + 50 * MS)[0], ref.advance(T0 + 50 * MS)[0])
+    for al in (new, ref):
+        al.push(Sample("a", 2.0, T0 + 35 * MS))  # after the horizon (30 ms), before 40 ms
+    (got,) = new.advance(T0 + 90 * MS)
+    (want,) = ref.advance(T0 + 90 * MS)
+    assert_same_window(got, want)
+    # Inside [40, 70]: one sample at 40 (the last of the three), 47, 55, 62.
+    assert got.jitter_ms[0] == pytest.approx(float(np.std([7, 8, 7])), rel=1e-6)
+
+
+def test_tracks_stay_bounded_while_windows_go_out() -> None:
+    # Pruning is lazy (deleted in batches), but a fast signal must not pile up samples.
+    al = Aligner(PerceptionSpec(signals=("fast",), window=64, hop=1))
+    for k in range(3_000):  # 30 s at 2 kHz, one 10 ms tick at a time
+        al.push_many(Sample("fast", 1.0, T0 + k * 10 * MS + j * MS // 2) for j in range(20))
+        al.advance(T0 + (k + 1) * 10 * MS)
+    in_reach = (64 + 2 + 2) * 20  # window + lateness ahead of the horizon, at 20 per tick
+    assert len(al._tracks[0].t) <= in_reach + perception._COMPACT_AT
