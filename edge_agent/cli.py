@@ -24,6 +24,7 @@ from edge_agent.config import AgentConfig, load_config
 from edge_agent.errors import ConfigError, ModelMismatch, ReasoningError, ServiceError
 from edge_agent.memory.cli import memory_app
 from edge_agent.tsn import tsn_app
+from edge_agent.uplink.errors import UplinkError
 
 if TYPE_CHECKING:
     from drivers.sim.plant import Anomaly
@@ -173,7 +174,7 @@ def run(
         # A model that does not fit the config is a config problem; one that does not load
         # (corrupt, missing runtime) is a runtime failure.
         raise typer.Exit(2 if isinstance(exc, ModelMismatch) else 1) from None
-    except (DriverError, ServiceError) as exc:
+    except (DriverError, ServiceError, UplinkError) as exc:
         typer.echo(f"edge-agent: {exc}", err=True)
         raise typer.Exit(1) from None
     if status_json:

@@ -51,6 +51,7 @@ from edge_agent.rules import (
     RuleSet,
     Stat,
 )
+from edge_agent.uplink.config import UplinkSection
 
 #: Refuse config files larger than this before parsing them.
 MAX_CONFIG_BYTES = 1 << 20
@@ -205,6 +206,7 @@ class AgentConfigModel(_Model):
     memory: MemorySection = Field(default_factory=MemorySection)
     schedule: ScheduleSection = Field(default_factory=ScheduleSection)
     api: ApiSection = Field(default_factory=ApiSection)
+    uplink: UplinkSection = Field(default_factory=UplinkSection)
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +246,8 @@ class AgentConfig:
     #: when windows close (lateness past a grid point), so the first entry meets them.
     gate_control_list: GateControlList
     api: ApiSection
+    #: ``[uplink]`` with its file paths (TLS, password) resolved against the config's folder.
+    uplink: UplinkSection
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -448,6 +452,7 @@ def _check(model: AgentConfigModel, base: Path) -> list[str]:
     errors.extend(_check_reasoning(model.reasoning, per.signals))
     errors.extend(model.memory.check(per.signals))
     errors.extend(model.schedule.check())
+    errors.extend(resolve_uplink(model.uplink, base).check(per.signals))
     seen: set[str] = set()
     for k, sig in enumerate(per.signals):
         if sig in seen:
@@ -656,4 +661,19 @@ def _convert(model: AgentConfigModel, path: Path, base: Path) -> AgentConfig:
             ),
         ),
         api=model.api,
+        uplink=resolve_uplink(model.uplink, base),
     )
+
+
+def resolve_uplink(section: UplinkSection, base: Path) -> UplinkSection:
+    """``section`` with its relative file paths made relative to ``base`` (the config's folder)."""
+    update: dict[str, object] = {}
+    if section.password_file is not None:
+        update["password_file"] = str(_resolve(section.password_file, base))
+    if section.tls is not None:
+        tls = section.tls
+        files = {"ca_file": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file}
+        update["tls"] = tls.model_copy(
+            update={k: str(_resolve(v, base)) for k, v in files.items() if v is not None}
+        )
+    return section.model_copy(update=update) if update else section

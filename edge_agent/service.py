@@ -61,8 +61,16 @@ from edge_agent.probe import Probe, ProbeResult, run_probe
 from edge_agent.reasoning import DropOldestQueue, PreparedModel, ReasoningStage, Scorer
 from edge_agent.rules import Decision
 from edge_agent.sdnotify import Notifier, watchdog_interval_s, watchdog_loop
+from edge_agent.uplink.publisher import Uplink
+from edge_agent.uplink.telemetry import (
+    Aggregate,
+    DeltaEncoder,
+    TelemetryAggregator,
+    telemetry_msg,
+)
 from models import load_model
 from models.errors import ModelError
+from wire.messages import Message, SignalStats
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +201,41 @@ class Agent:
         self._budget_ms = config.reasoning.budget_ms
         self._api: HealthApi | None = None
         self.loop_name = "-"
+        self.uplink: Uplink | None = None
+        self.telemetry: TelemetryAggregator | None = None
+        self.delta: DeltaEncoder | None = None
+        up = config.uplink
+        if up.enabled:
+            signals = config.perception.signals
+            self.uplink = Uplink(
+                up,
+                site=config.agent.site,
+                device=config.agent.device,
+                device_type=config.agent.device_type,
+                agent_version=__version__,
+                state_dir=config.state_dir,
+                model_sha256=self._model_sha256,
+                priority=self._uplink_priority(),
+                clock_ns=clock_ns,
+            )
+            self.telemetry = TelemetryAggregator(signals, up.telemetry_period_ms * 1_000_000)
+            if up.delta.enabled:
+                self.delta = DeltaEncoder(
+                    signals,
+                    default_deadband=up.delta.default_deadband,
+                    deadband=up.delta.deadband,
+                    keyframe_every=up.delta.keyframe_every,
+                )
+
+    def _model_sha256(self) -> str:
+        return self.stage.model.sha256 if self.stage is not None else ""
+
+    def _uplink_priority(self) -> int | None:
+        """The ``SO_PRIORITY`` of the schedule's ``uplink`` traffic class, if it has one."""
+        try:
+            return self.gcl.priority("uplink")
+        except KeyError:
+            return None
 
     @property
     def signals(self) -> Sequence[str]:
@@ -240,11 +283,21 @@ class Agent:
                             name="watchdog",
                         )
                     )
+                uplink_task = (
+                    tg.create_task(self.uplink.run(), name="uplink")
+                    if self.uplink is not None
+                    else None
+                )
                 await stop.wait()
                 self.notifier.stopping()
                 for task in tasks:
                     task.cancel()
-            self._drain()
+                await asyncio.wait(tasks)
+                # Everything still in the agent goes through every stage and into the
+                # outbox before the uplink gets its last second to flush it.
+                self._drain()
+                if uplink_task is not None:
+                    uplink_task.cancel()
             self._log_line(final=True)
         return self.report
 
@@ -359,6 +412,9 @@ class Agent:
             self.report.last_window = w
             if self._on_window_cb is not None:
                 self._on_window_cb(w)
+            if self.telemetry is not None:
+                for agg in self.telemetry.add(w):
+                    self._publish_telemetry(agg)
             dropped = self.memory_queue.put_nowait(_InFlight(w, perception_ms))
             if dropped is not None:
                 log.warning("pipeline behind: dropped window %d before memory", dropped.window.seq)
@@ -403,6 +459,9 @@ class Agent:
         while len(self.memory_queue) or len(self.reasoning_queue):
             self._remember(None)
             self._reason(None)
+        if self.telemetry is not None:
+            for agg in self.telemetry.flush():
+                self._publish_telemetry(agg)
 
     def _decide(self, item: _InFlight) -> None:
         stage = self.stage
@@ -412,6 +471,8 @@ class Agent:
         d = stage.process(window, self.clock_ns(), item.perception_ms, item.memory_ms)
         if self.memory is not None:
             self.memory.record_decision(d, now_ns=d.t_ns, window_seq=d.window_seq)
+        if self.uplink is not None:
+            self.uplink.publish_decision(d)
         # End to end: from the instant the window could close (its last grid point plus
         # the lateness allowance) to its decision.
         e2e_ns = d.t_ns - (window.end_ns + self._lateness_ns)
@@ -442,6 +503,24 @@ class Agent:
         if self._on_decision_cb is not None:
             self._on_decision_cb(d)
 
+    def _publish_telemetry(self, agg: Aggregate) -> None:
+        """One period's statistics to the outbox: a keyframe, or only what moved (delta)."""
+        uplink = self.uplink
+        assert uplink is not None
+        if self.delta is not None:
+            keyframe, signals = self.delta.encode(agg)
+            if not keyframe and not signals:
+                return  # nothing moved past its deadband: no message, no seq
+        else:
+            keyframe = True
+            signals = {name: SignalStats(*st) for name, st in agg.stats.items()}
+        device = self.config.agent.device
+
+        def build(boot_id: str, seq: int) -> Message:
+            return telemetry_msg(agg, keyframe, signals, device=device, boot_id=boot_id, seq=seq)
+
+        uplink.publish("telemetry", build)
+
     # -- the health API's view --------------------------------------------------------------
 
     def probe(self, probe: Probe) -> ProbeResult:
@@ -460,6 +539,8 @@ class Agent:
         if not all(self.sources_up().values()):
             return "degraded"
         if self.stage is not None and self.stage.breaker.mode != "full":
+            return "degraded"
+        if self.uplink is not None and not self.uplink.stats().get("connected"):
             return "degraded"
         if any(
             self.report.sources[s.name].last_error and not self.report.sources[s.name].running
@@ -640,6 +721,7 @@ class Agent:
             "reasoning": reasoning,
             "memory": self.memory.stats() if self.memory is not None else {"enabled": False},
             "gates": self.scheduler.snapshot(),
+            "uplink": self.uplink.stats() if self.uplink is not None else {"enabled": False},
             "latency_us": latency,
             "sources": {
                 s.name: {

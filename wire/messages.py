@@ -5,11 +5,12 @@ agent start), ``seq`` (per boot, gap-free over the data streams: telemetry, deci
 ota/status) and ``t_ns`` (UNIX ns). The fleet stores data idempotently on
 ``(device, boot_id, seq)``.
 
-State messages (the retained birth, a clean ``offline`` and the Last Will) are not part of
-the seq stream: a Last Will is composed at connect time and may never be sent, so it cannot
-own a number. Their ``seq`` is the device's watermark instead: the last data seq it had
-assigned when the message was made, which lets the fleet tell a gap from a message still
-on its way.
+Data seqs start at 0 at every boot. State messages (the retained birth, a clean
+``offline`` and the Last Will) are not part of the seq stream: a Last Will is composed at
+connect time and may never be sent, so it cannot own a number. Their ``seq`` is the
+device's watermark instead: how many data messages it had numbered when the message was
+made (0: none yet; 5: seqs 0..4 exist), so the fleet can report the missing head and tail
+of a boot as gaps, not only the holes between messages it has.
 
 Payloads are JSON (UTF-8). Unknown fields are rejected, types are exact (an int is not a
 string, a bool is not an int), numbers are finite (JSON has no NaN), sizes are capped

@@ -1,0 +1,169 @@
+"""The ``[uplink]`` section of the agent's TOML config.
+
+Same rules as :mod:`edge_agent.config`: strict types, unknown keys rejected, frozen. Relative
+paths (``outbox.path``) are relative to ``agent.state_dir``. Sizes are bytes, times carry
+their unit in the key name. The MQTT password is never in this file: ``password_file`` names
+a file that holds it (mode 0600, one line), so the config can be logged and shared.
+
+Example (every key, with its default)::
+
+    [uplink]
+    enabled = false
+    host = "127.0.0.1"
+    port = 1883
+    client_id = "press-7"              # default: the device name
+    keepalive_s = 30
+    username = "press-7"               # optional
+    password_file = "/etc/edge-agent/mqtt.pass"   # optional, needs username
+    telemetry_period_ms = 1000
+    replay_rate_per_s = 200            # token bucket: messages per second to the broker
+    max_inflight = 32                  # QoS 1 messages waiting for their PUBACK
+    reconnect_min_ms = 500             # jittered exponential backoff between attempts
+    reconnect_max_ms = 30000
+
+    [uplink.tls]                       # optional; mutual TLS when cert_file and key_file
+    ca_file = "/etc/edge-agent/ca.pem" # server CA (omit: the system's CAs)
+    cert_file = "/etc/edge-agent/device.pem"
+    key_file = "/etc/edge-agent/device.key"
+
+    [uplink.delta]
+    enabled = true
+    default_deadband = 0.0
+    deadband = { current = 0.05 }
+    keyframe_every = 10                # every N-th telemetry message carries every signal
+
+    [uplink.outbox]
+    path = "outbox.db"                 # relative to agent.state_dir
+    max_bytes = 67108864               # beyond: telemetry dropped, oldest first
+    decision_reserve_bytes = 16777216  # decisions/ota status kept up to max_bytes + this
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+
+_MIB = 1 << 20
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class TlsSection(_Model):
+    """Server-CA-only TLS with just ``ca_file``; mutual TLS with ``cert_file`` + ``key_file``."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+
+class DeltaSection(_Model):
+    """Delta upload of telemetry (see :class:`wire.messages.TelemetryMsg`)."""
+
+    enabled: bool = True
+    default_deadband: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    deadband: dict[Name, Annotated[float, Field(ge=0, allow_inf_nan=False)]] = Field(
+        default_factory=dict
+    )
+    keyframe_every: Annotated[int, Field(ge=1, le=10_000)] = 10
+
+    def deadbands_for(self, signals: Sequence[str]) -> tuple[float, ...]:
+        """The deadband of each signal, in order: its own entry or ``default_deadband``."""
+        return tuple(float(self.deadband.get(s, self.default_deadband)) for s in signals)
+
+
+class OutboxSection(_Model):
+    """The durable outbox (SQLite) every uplink message passes through."""
+
+    path: Annotated[str, Field(min_length=1)] = "outbox.db"
+    max_bytes: Annotated[int, Field(ge=64 * 1024, le=1 << 40)] = 64 * _MIB
+    decision_reserve_bytes: Annotated[int, Field(ge=0, le=1 << 40)] = 16 * _MIB
+
+
+class UplinkSection(_Model):
+    """MQTT uplink to the fleet (field docs in the module docstring)."""
+
+    enabled: bool = False
+    host: Annotated[str, Field(min_length=1, max_length=253)] = "127.0.0.1"
+    port: Annotated[int, Field(ge=1, le=65_535)] = 1883
+    client_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    keepalive_s: Annotated[int, Field(ge=5, le=65_535)] = 30
+    tls: TlsSection | None = None
+    username: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    password_file: Annotated[str, Field(min_length=1)] | None = None
+    telemetry_period_ms: Annotated[int, Field(ge=10, le=3_600_000)] = 1000
+    delta: DeltaSection = Field(default_factory=DeltaSection)
+    outbox: OutboxSection = Field(default_factory=OutboxSection)
+    replay_rate_per_s: Annotated[float, Field(gt=0, le=1_000_000, allow_inf_nan=False)] = 200.0
+    max_inflight: Annotated[int, Field(ge=1, le=65_535)] = 32
+    reconnect_min_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 500
+    reconnect_max_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 30_000
+
+    @model_validator(mode="after")
+    def _consistent(self) -> UplinkSection:
+        if self.reconnect_max_ms < self.reconnect_min_ms:
+            raise ValueError(
+                f"reconnect_max_ms ({self.reconnect_max_ms}) must be at least "
+                f"reconnect_min_ms ({self.reconnect_min_ms})"
+            )
+        return self
+
+    def resolve_outbox(self, state_dir: str | Path) -> Path:
+        """The outbox database path; a relative ``outbox.path`` is under ``state_dir``."""
+        p = Path(self.outbox.path).expanduser()
+        return p if p.is_absolute() else Path(state_dir).expanduser() / p
+
+    def effective_client_id(self, device: str) -> str:
+        return self.client_id if self.client_id is not None else device
+
+    def check(self, signals: Sequence[str] = ()) -> list[str]:
+        """Errors the types cannot see: file pairs, missing files, unknown deadband signals.
+
+        ``signals`` are the perception signal names; an empty sequence skips that check.
+        Only meaningful when ``enabled`` (a disabled uplink reports nothing).
+        """
+        if not self.enabled:
+            return []
+        errors: list[str] = []
+
+        def need_file(key: str, value: str | None) -> None:
+            if value is not None and not Path(value).expanduser().is_file():
+                errors.append(f"uplink.{key}: {value!r} does not exist or is not a file")
+
+        if self.tls is not None:
+            t = self.tls
+            if (t.cert_file is None) != (t.key_file is None):
+                have, missing = (
+                    ("cert_file", "key_file") if t.cert_file else ("key_file", "cert_file")
+                )
+                errors.append(
+                    f"uplink.tls.{have}: set without uplink.tls.{missing}; "
+                    "expected both (mutual TLS) or neither"
+                )
+            need_file("tls.ca_file", t.ca_file)
+            need_file("tls.cert_file", t.cert_file)
+            need_file("tls.key_file", t.key_file)
+        if self.password_file is not None and self.username is None:
+            errors.append(
+                f"uplink.password_file: {self.password_file!r} set without uplink.username; "
+                "expected a username to go with the password"
+            )
+        need_file("password_file", self.password_file)
+        if signals:
+            known = set(signals)
+            errors.extend(
+                f"uplink.delta.deadband.{name}: {name!r} is not a perception signal; "
+                f"known: {', '.join(signals)}"
+                for name in self.delta.deadband
+                if name not in known
+            )
+        return errors
+
+
+__all__ = ["DeltaSection", "OutboxSection", "TlsSection", "UplinkSection"]

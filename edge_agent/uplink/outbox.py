@@ -1,0 +1,306 @@
+"""The durable outbox every uplink data message passes through, and the boot session.
+
+A message gets its ``(boot_id, seq)`` when it enters the outbox and keeps them: after a
+restart the old boot's rows are replayed with their original numbers, so the fleet's
+idempotent ingest on ``(device, boot_id, seq)`` sees one stream per boot, gap-free unless
+this outbox dropped something (and then the drop is counted here and visible there as a gap).
+
+Durability: SQLite in WAL mode with ``synchronous=NORMAL``. A committed row survives the
+process being killed (kill -9, OOM); a power cut may lose the last commits before a WAL
+checkpoint, which is the trade the memory store makes too. Each :meth:`Outbox.put` is one
+short transaction with no fsync (tens of µs), so the agent calls it inline on the event loop.
+
+Size policy (``bytes`` = payload + topic length):
+
+* while the total is over ``max_bytes``, telemetry rows are deleted oldest-first (the newest
+  telemetry says more about the plant than the oldest);
+* decisions and OTA status rows are kept beyond ``max_bytes``, up to the hard cap
+  ``max_bytes + reserve_bytes``; over that, the oldest rows of any kind go.
+
+Every drop is counted per kind (:meth:`Outbox.stats`). Rows are sent in ``id`` order, which
+keeps the order per topic (and across topics) as produced.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+from edge_agent.uplink.errors import OutboxError
+
+log = logging.getLogger(__name__)
+
+_SCHEMA_VERSION = 1
+_BUSY_TIMEOUT_S = 5.0
+#: The kind dropped first when the outbox is over ``max_bytes``.
+DROPPABLE = "telemetry"
+
+
+class OutboxRow(NamedTuple):
+    id: int
+    kind: str
+    topic: str
+    payload: bytes
+    boot_id: str
+    seq: int
+    bytes: int
+    t_ns: int
+
+
+class Session:
+    """The numbers of this boot: a fresh ``boot_id`` (uuid4 hex) and a gap-free ``seq``.
+
+    ``seq`` counts data messages (telemetry, decision, ota/status) from 0. State messages
+    use :attr:`watermark` instead (see :mod:`wire.messages`).
+    """
+
+    def __init__(self, boot_id: str | None = None) -> None:
+        self.boot_id = boot_id if boot_id is not None else uuid.uuid4().hex
+        #: The seq the next data message gets.
+        self.next_seq = 0
+
+    def take(self) -> int:
+        """Assign the next seq (call only once the message is built: seqs must not skip)."""
+        seq = self.next_seq
+        self.next_seq += 1
+        return seq
+
+    @property
+    def watermark(self) -> int:
+        """How many seqs were assigned (the next one): what state messages carry."""
+        return self.next_seq
+
+
+class Outbox:
+    """SQLite outbox (one writer: the agent's event loop thread). Raises :class:`OutboxError`
+    only from the constructor; :meth:`put` and :meth:`ack` log, count and carry on."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        boot_id: str,
+        max_bytes: int = 64 << 20,
+        reserve_bytes: int = 16 << 20,
+        clock_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.path = Path(path)
+        self.boot_id = boot_id
+        self.max_bytes = max_bytes
+        self.hard_cap = max_bytes + reserve_bytes
+        self._clock_ns = clock_ns
+        self.dropped: dict[str, int] = {}
+        self.put_errors = 0
+        self.last_error: str | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # check_same_thread=False: the uplink closes it from a worker thread at exit.
+            self._conn = sqlite3.connect(
+                self.path, isolation_level=None, timeout=_BUSY_TIMEOUT_S, check_same_thread=False
+            )
+            mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise OutboxError(f"{self.path}: cannot switch to WAL (journal_mode={mode})")
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.execute("PRAGMA journal_size_limit=4194304")
+            self._migrate()
+            row = self._conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(bytes), 0), "
+                "COALESCE(SUM(CASE WHEN kind = ? THEN bytes ELSE 0 END), 0) FROM outbox",
+                (DROPPABLE,),
+            ).fetchone()
+        except sqlite3.Error as exc:
+            raise OutboxError(f"{self.path}: cannot open the outbox: {exc}") from exc
+        self._rows, self._bytes, self._droppable_bytes = int(row[0]), int(row[1]), int(row[2])
+
+    def _migrate(self) -> None:
+        found = int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+        if found > _SCHEMA_VERSION:
+            raise OutboxError(
+                f"{self.path}: schema version {found} is newer than this build "
+                f"({_SCHEMA_VERSION}); left alone"
+            )
+        if found == _SCHEMA_VERSION:
+            return
+        self._conn.execute("BEGIN IMMEDIATE")
+        self._conn.execute(
+            "CREATE TABLE IF NOT EXISTS outbox ("
+            " id INTEGER PRIMARY KEY AUTOINCREMENT,"
+            " kind TEXT NOT NULL, topic TEXT NOT NULL, payload BLOB NOT NULL,"
+            " boot_id TEXT NOT NULL, seq INTEGER NOT NULL,"
+            " bytes INTEGER NOT NULL, t_ns INTEGER NOT NULL)"
+        )
+        # The telemetry trim walks this index instead of the whole table.
+        self._conn.execute("CREATE INDEX IF NOT EXISTS outbox_kind ON outbox (kind, id)")
+        self._conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+        self._conn.execute("COMMIT")
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def put(self, kind: str, topic: str, payload: bytes, seq: int) -> bool:
+        """Store one message of this boot; ``False`` if it was dropped (cap or I/O error)."""
+        size = len(payload) + len(topic)
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                cur = self._conn.execute(
+                    "INSERT INTO outbox (kind, topic, payload, boot_id, seq, bytes, t_ns)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (kind, topic, payload, self.boot_id, seq, size, self._clock_ns()),
+                )
+                new_id = cur.lastrowid
+                rows, total, droppable = self._rows + 1, self._bytes + size, self._droppable_bytes
+                if kind == DROPPABLE:
+                    droppable += size
+                gone: dict[str, int] = {}
+                kept = True
+                if total > self.max_bytes and droppable > 0:
+                    for rid, rkind, rbytes in self._oldest(DROPPABLE):
+                        if total <= self.max_bytes:
+                            break
+                        self._conn.execute("DELETE FROM outbox WHERE id = ?", (rid,))
+                        rows, total, droppable = rows - 1, total - rbytes, droppable - rbytes
+                        gone[rkind] = gone.get(rkind, 0) + 1
+                        kept = kept and rid != new_id
+                if total > self.hard_cap:
+                    for rid, rkind, rbytes in self._oldest(None):
+                        if total <= self.hard_cap:
+                            break
+                        self._conn.execute("DELETE FROM outbox WHERE id = ?", (rid,))
+                        rows, total = rows - 1, total - rbytes
+                        if rkind == DROPPABLE:
+                            droppable -= rbytes
+                        gone[rkind] = gone.get(rkind, 0) + 1
+                        kept = kept and rid != new_id
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            self.put_errors += 1
+            self.dropped[kind] = self.dropped.get(kind, 0) + 1
+            self.last_error = f"outbox put: {exc}"
+            log.error("uplink outbox %s: cannot store a %s message: %s", self.path, kind, exc)
+            return False
+        self._rows, self._bytes, self._droppable_bytes = rows, total, droppable
+        for k, n in gone.items():
+            self.dropped[k] = self.dropped.get(k, 0) + n
+        if gone:
+            log.warning(
+                "uplink outbox over its cap: dropped %s (oldest first)",
+                ", ".join(f"{n} {k}" for k, n in sorted(gone.items())),
+            )
+        return kept
+
+    def _oldest(self, kind: str | None) -> Iterable[tuple[int, str, int]]:
+        """Oldest rows (of ``kind``, or of any kind), in pages, for the trim loops."""
+        after = 0
+        while True:
+            if kind is None:
+                page = self._conn.execute(
+                    "SELECT id, kind, bytes FROM outbox WHERE id > ? ORDER BY id LIMIT 256",
+                    (after,),
+                ).fetchall()
+            else:
+                page = self._conn.execute(
+                    "SELECT id, kind, bytes FROM outbox WHERE kind = ? AND id > ?"
+                    " ORDER BY id LIMIT 256",
+                    (kind, after),
+                ).fetchall()
+            if not page:
+                return
+            for rid, rkind, rbytes in page:
+                yield int(rid), str(rkind), int(rbytes)
+            after = int(page[-1][0])
+
+    def ack(self, ids: Iterable[int]) -> int:
+        """Delete delivered rows (their PUBACK arrived); returns how many were still there."""
+        wanted = list(ids)
+        if not wanted:
+            return 0
+        deleted = 0
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                for rid in wanted:
+                    row = self._conn.execute(
+                        "DELETE FROM outbox WHERE id = ? RETURNING kind, bytes", (rid,)
+                    ).fetchone()
+                    if row is not None:
+                        deleted += 1
+                        self._rows -= 1
+                        self._bytes -= int(row[1])
+                        if row[0] == DROPPABLE:
+                            self._droppable_bytes -= int(row[1])
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            # The rows stay and are sent again after the next reconnect: a duplicate, which
+            # the fleet's idempotent ingest absorbs, rather than a loss.
+            self.last_error = f"outbox ack: {exc}"
+            log.error("uplink outbox %s: cannot delete acked rows: %s", self.path, exc)
+            self._recount()
+            return 0
+        return deleted
+
+    def _recount(self) -> None:
+        try:
+            row = self._conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(bytes), 0), "
+                "COALESCE(SUM(CASE WHEN kind = ? THEN bytes ELSE 0 END), 0) FROM outbox",
+                (DROPPABLE,),
+            ).fetchone()
+        except sqlite3.Error:
+            return
+        self._rows, self._bytes, self._droppable_bytes = int(row[0]), int(row[1]), int(row[2])
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def peek(self, after_id: int = 0, limit: int = 32) -> list[OutboxRow]:
+        """Up to ``limit`` rows with ``id > after_id``, oldest first. ``[]`` on an I/O error."""
+        try:
+            rows = self._conn.execute(
+                "SELECT id, kind, topic, payload, boot_id, seq, bytes, t_ns FROM outbox"
+                " WHERE id > ? ORDER BY id LIMIT ?",
+                (after_id, limit),
+            ).fetchall()
+        except sqlite3.Error as exc:
+            self.last_error = f"outbox peek: {exc}"
+            log.error("uplink outbox %s: cannot read: %s", self.path, exc)
+            return []
+        return [
+            OutboxRow(int(r[0]), r[1], r[2], bytes(r[3]), r[4], int(r[5]), int(r[6]), int(r[7]))
+            for r in rows
+        ]
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "path": str(self.path),
+            "rows": self._rows,
+            "bytes": self._bytes,
+            "telemetry_bytes": self._droppable_bytes,
+            "max_bytes": self.max_bytes,
+            "hard_cap_bytes": self.hard_cap,
+            "dropped": dict(self.dropped),
+            "put_errors": self.put_errors,
+            "last_error": self.last_error,
+        }
+
+    def close(self) -> None:
+        try:
+            self._conn.close()
+        except sqlite3.Error as exc:
+            log.warning("uplink outbox %s: close failed: %s", self.path, exc)
+
+
+__all__ = ["DROPPABLE", "Outbox", "OutboxRow", "Session"]

@@ -1,0 +1,58 @@
+"""The fleet's error tree. Every error the ``fleet`` package raises derives from FleetError.
+
+::
+
+    FleetError
+     ├── FleetStoreError         the store cannot be opened, migrated or written
+     │    └── SchemaTooNew       the database was migrated by newer code than this
+     ├── PkiError                a CA or certificate file is missing, foreign or refused
+     ├── IngestError             the ingest service cannot run (bad broker, bad options)
+     └── MessageRefused          one uplink message quarantined (bad topic, schema, device)
+"""
+
+from __future__ import annotations
+
+
+class FleetError(Exception):
+    """Root of every error raised by the fleet manager."""
+
+
+class FleetStoreError(FleetError):
+    """The store failed: a bad URL, an unreachable database, a failed migration or write."""
+
+
+class PkiError(FleetError):
+    """A CA or certificate operation failed: a missing, unreadable or foreign file, a bad name,
+    a wrong passphrase, or a refusal to overwrite. The message names the file and the fault."""
+
+
+class SchemaTooNew(FleetStoreError):
+    """The database schema is newer than this code knows; running on it could corrupt it."""
+
+    def __init__(self, url: str, found: int, known: int) -> None:
+        super().__init__(
+            f"store {url}: schema version {found} is newer than this fleet knows ({known}); "
+            "upgrade the fleet package instead of running old code on a new database"
+        )
+        self.found = found
+        self.known = known
+
+
+class IngestError(FleetError):
+    """The ingest service cannot run: a bad broker address or option (not bad messages)."""
+
+
+class MessageRefused(FleetError):
+    """One uplink message the ingest quarantines instead of storing.
+
+    ``cls`` is the reason class counted in the ingest stats (``topic``, ``schema``,
+    ``device_mismatch``, ``unknown_device``, ``store``, ``internal``); ``where`` is a JSON
+    path into the payload; ``device`` is the topic's device when the topic parsed.
+    """
+
+    def __init__(self, cls: str, reason: str, where: str = "$", device: str | None = None):
+        super().__init__(f"{reason} (at {where})" if where != "$" else reason)
+        self.cls = cls
+        self.reason = reason
+        self.where = where
+        self.device = device

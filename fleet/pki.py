@@ -1,0 +1,448 @@
+"""The fleet's private CA: one EC P-256 CA that issues device, service and broker certificates.
+
+The broker (Mosquitto, ``use_identity_as_username``) takes a client certificate's Common Name
+as the MQTT username, and the ACL (``fleet.broker_config``) confines each username to its own
+topic root, so the CN *is* the device's identity. That is why a CN must pass the same name rule
+as the topic layout (``wire.topics``): a CN with ``/``, ``+`` or ``#`` could escape its root.
+
+Layout of a CA folder::
+
+    ca.crt  ca.key (0600)        the CA
+    certs/{name}.crt             a copy of every certificate issued, for ``list_issued``
+
+``issue`` writes ``{name}.crt``, ``{name}.key`` (0600) and ``ca.crt`` into the chosen output
+folder, which is what a device or the broker needs. Every file is written durably (temp file,
+fsync, rename, fsync of the folder): a power cut leaves the old file or the new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import tempfile
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Literal, get_args
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from fleet.errors import PkiError
+from wire.topics import device_root
+
+Kind = Literal["device", "service", "server"]
+KINDS: tuple[Kind, ...] = get_args(Kind)
+
+CA_CERT = "ca.crt"
+CA_KEY = "ca.key"
+REGISTRY = "certs"
+_ORG = "EdgeFleet"
+# Certificates are valid from a few minutes in the past: a gateway whose clock runs a little
+# behind the CA host would otherwise reject a certificate issued "in its future".
+_BACKDATE = timedelta(minutes=5)
+
+
+@dataclass(frozen=True)
+class CaPaths:
+    dir: Path
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True)
+class IssuedPaths:
+    name: str
+    kind: Kind
+    cert: Path
+    key: Path
+    #: The CA certificate next to them, which the holder needs to verify its peer.
+    ca_cert: Path
+
+
+@dataclass(frozen=True)
+class IssuedCert:
+    """One entry of the CA's register of issued certificates."""
+
+    name: str
+    kind: Kind
+    fingerprint: str
+    serial: int
+    not_after: datetime
+    path: Path
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is a valid device/service name (the ``wire.topics`` rule), else PkiError."""
+    try:
+        # device_root applies exactly the topic layout's name rule; the site is a placeholder.
+        device_root("site", name)
+    except ValueError:
+        raise PkiError(
+            f"certificate name {name!r} is not a valid name ([A-Za-z0-9_.:-], 1-128 chars); "
+            "it becomes the MQTT username and a topic level"
+        ) from None
+    return name
+
+
+# --- durable files -----------------------------------------------------------------------
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path, data: bytes, *, mode: int = 0o644, overwrite: bool = True) -> None:
+    """Write ``path`` so a crash leaves the old file or the complete new one, never a part.
+
+    The temp file is created with ``mode`` already set (``mkstemp`` makes it 0600, then
+    ``fchmod``), so a key is never readable by others, not even for an instant. With
+    ``overwrite=False`` the final name is taken with ``link``, which fails atomically if the
+    file appeared in the meantime (two ``init`` runs racing).
+    """
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise PkiError(f"{path}: already exists; refusing to overwrite it") from None
+            tmp.unlink()
+        fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+def _mkdir_private(path: Path) -> None:
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PkiError(f"{path}: cannot create folder: {exc.strerror}") from exc
+
+
+# --- reading -----------------------------------------------------------------------------
+
+
+def read_cert(path: Path) -> x509.Certificate:
+    """The PEM certificate at ``path``; PkiError naming the file if it is missing or not one."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise PkiError(f"{path}: cannot read certificate: {exc.strerror}") from exc
+    try:
+        return x509.load_pem_x509_certificate(data)
+    except ValueError as exc:
+        raise PkiError(f"{path}: not a PEM X.509 certificate ({exc})") from exc
+
+
+def _read_key(path: Path, passphrase: bytes | None) -> ec.EllipticCurvePrivateKey:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise PkiError(f"{path}: cannot read private key: {exc.strerror}") from exc
+    try:
+        key = serialization.load_pem_private_key(data, password=passphrase)
+    except TypeError:
+        # cryptography raises TypeError for "encrypted but no passphrase" and the reverse.
+        if passphrase is None:
+            raise PkiError(f"{path}: the key is encrypted; give its passphrase") from None
+        raise PkiError(f"{path}: the key is not encrypted; give no passphrase") from None
+    except ValueError:
+        # Deliberately without the cause: it could quote key material.
+        raise PkiError(f"{path}: not a readable PEM private key, or a wrong passphrase") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise PkiError(f"{path}: expected an EC private key, found {type(key).__name__}")
+    return key
+
+
+def fingerprint(cert_path: Path) -> str:
+    """SHA-256 of the certificate's DER, as ``AB:CD:...`` (what ``openssl x509 -fingerprint
+    -sha256`` prints, so an operator can compare the two by eye)."""
+    return _fingerprint(read_cert(cert_path))
+
+
+def _fingerprint(cert: x509.Certificate) -> str:
+    return cert.fingerprint(hashes.SHA256()).hex(":").upper()
+
+
+def cert_kind(cert: x509.Certificate, path: Path) -> Kind:
+    """The kind ``issue`` stamped into the subject's OU."""
+    ous = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
+    kind = str(ous[0].value) if ous else ""
+    for k in KINDS:
+        if k == kind:
+            return k
+    raise PkiError(f"{path}: not issued by fleet.pki (subject OU {kind!r} is not a known kind)")
+
+
+def cert_name(cert: x509.Certificate, path: Path) -> str:
+    cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    if not cns:
+        raise PkiError(f"{path}: certificate has no Common Name")
+    return str(cns[0].value)
+
+
+def verify_issued_by(cert_path: Path, ca_cert_path: Path) -> x509.Certificate:
+    """The certificate at ``cert_path`` if the CA at ``ca_cert_path`` signed it, else PkiError."""
+    cert, ca = read_cert(cert_path), read_cert(ca_cert_path)
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature) as exc:
+        raise PkiError(f"{cert_path}: not issued by the CA {ca_cert_path} ({exc})") from exc
+    return cert
+
+
+# --- the CA ------------------------------------------------------------------------------
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey, passphrase: bytes | None) -> bytes:
+    enc: serialization.KeySerializationEncryption = (
+        serialization.BestAvailableEncryption(passphrase)
+        if passphrase
+        else serialization.NoEncryption()
+    )
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, enc)
+
+
+def init_ca(
+    dir: Path,
+    *,
+    name: str = "EdgeFleet CA",
+    days: int = 3650,
+    passphrase: bytes | None = None,
+    force: bool = False,
+    now: datetime | None = None,
+) -> CaPaths:
+    """Create a CA in ``dir``: an EC P-256 key (0600, encrypted if ``passphrase``) and a
+    self-signed certificate (CA:true, pathlen 0: it signs leaves, never other CAs).
+
+    Refuses (PkiError) if ``dir`` already holds a CA key or certificate, unless ``force`` —
+    replacing a CA orphans every certificate it issued.
+    """
+    if days <= 0:
+        raise PkiError(f"{dir}: CA validity must be at least one day, got {days}")
+    if passphrase is not None and not passphrase:
+        raise PkiError(f"{dir}: the CA key passphrase is empty")
+    paths = CaPaths(dir, dir / CA_CERT, dir / CA_KEY)
+    if not force:
+        for existing in (paths.key, paths.cert):
+            if existing.exists():
+                raise PkiError(
+                    f"{existing}: a CA already exists here; refusing to overwrite it "
+                    "(every certificate it issued would stop working); use force to replace it"
+                )
+    _mkdir_private(dir)
+    now = now or datetime.now(UTC)
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG),
+            x509.NameAttribute(NameOID.COMMON_NAME, name),
+        ]
+    )
+    ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _BACKDATE)
+        .not_valid_after(now + timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(ski, critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False
+        )
+        .sign(key, hashes.SHA256())
+    )
+    # Key first: a crash between the two leaves a key without a certificate, which the next
+    # init refuses loudly, rather than a certificate whose key is lost.
+    write_durable(paths.key, _key_pem(key, passphrase), mode=0o600, overwrite=force)
+    write_durable(
+        paths.cert, cert.public_bytes(serialization.Encoding.PEM), mode=0o644, overwrite=True
+    )
+    return paths
+
+
+def _load_ca(
+    ca_dir: Path, passphrase: bytes | None
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    cert_path, key_path = ca_dir / CA_CERT, ca_dir / CA_KEY
+    if not cert_path.exists() or not key_path.exists():
+        raise PkiError(f"{ca_dir}: no CA here ({CA_CERT} and {CA_KEY}); run `fleet pki init`")
+    cert, key = read_cert(cert_path), _read_key(key_path, passphrase)
+    if cert.public_key() != key.public_key():
+        raise PkiError(f"{key_path}: this key does not belong to {cert_path}")
+    return cert, key
+
+
+def issue(
+    ca_dir: Path,
+    name: str,
+    out_dir: Path,
+    *,
+    kind: Kind = "device",
+    days: int = 825,
+    hosts: list[str] | None = None,
+    passphrase: bytes | None = None,
+    force: bool = False,
+    now: datetime | None = None,
+) -> IssuedPaths:
+    """Issue a certificate with CN ``name`` and write ``{name}.crt``, ``{name}.key`` (0600,
+    unencrypted: a device starts unattended) and ``ca.crt`` into ``out_dir``.
+
+    ``kind`` ``device`` and ``service`` get the clientAuth EKU, ``server`` gets serverAuth and a
+    subjectAltName of ``hosts`` (DNS names, or IP addresses where they parse as one; at least
+    one is required). ``passphrase`` unlocks the CA key. A name already in the CA's register is
+    refused unless ``force`` (re-issue, e.g. a lost key): two certificates of different kinds
+    with one CN would share one MQTT identity.
+    """
+    check_name(name)
+    if f"{name}.crt" == CA_CERT:
+        # Its files would be ca.crt/ca.key, next to (or over) the CA's own.
+        raise PkiError(f"certificate name {name!r} is reserved for the CA's own files")
+    if kind not in KINDS:
+        raise PkiError(f"certificate kind {kind!r} is not one of {', '.join(KINDS)}")
+    if days <= 0:
+        raise PkiError(f"{name}: certificate validity must be at least one day, got {days}")
+    hosts = list(hosts or [])
+    if kind == "server" and not hosts:
+        raise PkiError(f"{name}: a server certificate needs at least one host name or address")
+    if kind != "server" and hosts:
+        raise PkiError(f"{name}: hosts are only for server certificates, not {kind}")
+    ca_cert, ca_key = _load_ca(ca_dir, passphrase)
+    registry = ca_dir / REGISTRY
+    recorded = registry / f"{name}.crt"
+    if recorded.exists() and not force:
+        old = read_cert(recorded)
+        raise PkiError(
+            f"{recorded}: {name!r} was already issued as a {cert_kind(old, recorded)} "
+            "certificate; refusing to issue it again (use force to re-issue)"
+        )
+    sans: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            if not host or any(c.isspace() or c in "/@:" for c in host):
+                raise PkiError(
+                    f"{name}: {host!r} is neither a DNS name nor an IP address"
+                ) from None
+            sans.append(x509.DNSName(host))
+
+    now = now or datetime.now(UTC)
+    key = ec.generate_private_key(ec.SECP256R1())
+    eku = ExtendedKeyUsageOID.SERVER_AUTH if kind == "server" else ExtendedKeyUsageOID.CLIENT_AUTH
+    ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(
+            x509.Name(
+                [
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG),
+                    x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, kind),
+                    x509.NameAttribute(NameOID.COMMON_NAME, name),
+                ]
+            )
+        )
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _BACKDATE)
+        .not_valid_after(min(now + timedelta(days=days), ca_cert.not_valid_after_utc))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([eku]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False
+        )
+    )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+
+    _mkdir_private(out_dir)
+    _mkdir_private(registry)
+    paths = IssuedPaths(
+        name, kind, out_dir / f"{name}.crt", out_dir / f"{name}.key", out_dir / CA_CERT
+    )
+    write_durable(paths.key, _key_pem(key, None), mode=0o600)
+    write_durable(paths.cert, cert_pem)
+    if paths.ca_cert.resolve() != (ca_dir / CA_CERT).resolve():
+        write_durable(paths.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
+    # The register entry goes last: it is what makes a name "taken", so it must only exist
+    # once the holder's files are complete.
+    write_durable(recorded, cert_pem)
+    return paths
+
+
+def list_issued(ca_dir: Path) -> list[IssuedCert]:
+    """Every certificate in the CA's register, sorted by name."""
+    if not (ca_dir / CA_CERT).exists():
+        raise PkiError(f"{ca_dir}: no CA here ({CA_CERT}); run `fleet pki init`")
+    registry = ca_dir / REGISTRY
+    found: list[IssuedCert] = []
+    for path in sorted(registry.glob("*.crt")) if registry.is_dir() else []:
+        cert = read_cert(path)
+        found.append(
+            IssuedCert(
+                name=cert_name(cert, path),
+                kind=cert_kind(cert, path),
+                fingerprint=_fingerprint(cert),
+                serial=cert.serial_number,
+                not_after=cert.not_valid_after_utc,
+                path=path,
+            )
+        )
+    return found

@@ -1,0 +1,234 @@
+"""``fleet pki ...`` and ``fleet broker-config``: the CA, certificates and the broker's config.
+
+``fleet.cli`` mounts ``pki_app`` as ``pki`` and ``broker_config_cmd`` as ``broker-config``.
+Exit codes: 0 done, 1 refused or failed (the message on stderr names the file and why),
+2 bad usage (typer). Passphrases are read from files, never from the command line, where
+``ps`` and shell history would show them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import UTC
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fleet import pki
+from fleet.broker_config import DEFAULT_SERVER_NAME, write_broker_config
+from fleet.errors import PkiError
+
+pki_app = typer.Typer(
+    help="The fleet's private CA: device, service and broker certificates.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+_ENV_DIR = "EDGEFLEET_PKI_DIR"
+DirOpt = Annotated[
+    Path, typer.Option("--dir", envvar=_ENV_DIR, help="The CA folder.", file_okay=False)
+]
+PassFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--passphrase-file",
+        help="File holding the CA key's passphrase (one line).",
+        dir_okay=False,
+    ),
+]
+
+
+class KindChoice(StrEnum):
+    device = "device"
+    service = "service"
+    server = "server"
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    typer.echo(f"error: {exc}", err=True)
+    return typer.Exit(1)
+
+
+def _passphrase(path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        # One trailing newline is the editor's, not the passphrase's.
+        secret = path.read_bytes().removesuffix(b"\n").removesuffix(b"\r")
+    except OSError as exc:
+        raise PkiError(f"{path}: cannot read passphrase file: {exc.strerror}") from exc
+    if not secret:
+        raise PkiError(f"{path}: the passphrase file is empty")
+    return secret
+
+
+@pki_app.command("init")
+def init_cmd(
+    ca_dir: DirOpt = Path("pki"),
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace an existing CA (orphans its certificates).")
+    ] = False,
+    passphrase_file: PassFileOpt = None,
+    name: Annotated[str, typer.Option("--name", help="The CA's Common Name.")] = "EdgeFleet CA",
+    days: Annotated[int, typer.Option("--days", min=1, help="CA validity in days.")] = 3650,
+) -> None:
+    """Create the CA (EC P-256 key, self-signed certificate) in --dir."""
+    try:
+        paths = pki.init_ca(
+            ca_dir, name=name, days=days, passphrase=_passphrase(passphrase_file), force=force
+        )
+    except PkiError as exc:
+        raise _fail(exc) from None
+    typer.echo(f"CA certificate {paths.cert}")
+    typer.echo(f"CA key         {paths.key} (keep it offline; fingerprint below)")
+    typer.echo(pki.fingerprint(paths.cert))
+
+
+@pki_app.command("issue")
+def issue_cmd(  # noqa: PLR0917 - typer passes options as parameters
+    name: Annotated[str, typer.Argument(help="Device or service name: the certificate CN.")],
+    ca_dir: DirOpt = Path("pki"),
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", file_okay=False, help="Output folder [default: DIR/issued/NAME]."),
+    ] = None,
+    kind: Annotated[KindChoice, typer.Option("--kind")] = KindChoice.device,
+    host: Annotated[
+        list[str] | None,
+        typer.Option("--host", help="Server certificates: a DNS name or IP (repeatable)."),
+    ] = None,
+    days: Annotated[int, typer.Option("--days", min=1)] = 825,
+    passphrase_file: PassFileOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="Re-issue an existing name.")] = False,
+) -> None:
+    """Issue a certificate and key for NAME into --out, with the CA certificate beside them."""
+    try:
+        paths = pki.issue(
+            ca_dir,
+            name,
+            out if out is not None else ca_dir / "issued" / name,
+            kind=kind.value,
+            days=days,
+            hosts=host or [],
+            passphrase=_passphrase(passphrase_file),
+            force=force,
+        )
+    except PkiError as exc:
+        raise _fail(exc) from None
+    typer.echo(f"{paths.kind} certificate {paths.cert}")
+    typer.echo(f"key                {paths.key}")
+    typer.echo(f"CA certificate     {paths.ca_cert}")
+
+
+@pki_app.command("list")
+def list_cmd(
+    ca_dir: DirOpt = Path("pki"),
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON array on stdout.")] = False,
+) -> None:
+    """Certificates this CA issued: name, kind, fingerprint and expiry."""
+    try:
+        issued = pki.list_issued(ca_dir)
+    except PkiError as exc:
+        raise _fail(exc) from None
+    if as_json:
+        typer.echo(
+            json.dumps(
+                [
+                    {
+                        "name": c.name,
+                        "kind": c.kind,
+                        "fingerprint": c.fingerprint,
+                        "serial": f"{c.serial:x}",
+                        "not_after": c.not_after.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    }
+                    for c in issued
+                ],
+                indent=2,
+            )
+        )
+        return
+    table = Table("name", "kind", "expires (UTC)", "SHA-256 fingerprint")
+    for c in issued:
+        table.add_row(c.name, c.kind, f"{c.not_after:%Y-%m-%d %H:%M}", c.fingerprint)
+    Console().print(table)
+
+
+def broker_config_cmd(  # noqa: PLR0917 - typer passes options as parameters
+    pki_dir: Annotated[
+        Path, typer.Option("--pki-dir", envvar=_ENV_DIR, file_okay=False, help="The CA folder.")
+    ] = Path("pki"),
+    out_dir: Annotated[
+        Path, typer.Option("--out-dir", file_okay=False, help="Where the broker's files go.")
+    ] = Path("broker"),
+    port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 8883,
+    fleet_identity: Annotated[
+        str, typer.Option("--fleet-identity", help="CN of the fleet service certificate.")
+    ] = "fleet",
+    host: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--host",
+            help="Broker DNS name or IP for its certificate (repeatable) "
+            "[default: localhost, 127.0.0.1, ::1].",
+        ),
+    ] = None,
+    bind: Annotated[str, typer.Option("--bind", help="Address the TLS listener binds.")] = (
+        "0.0.0.0"  # noqa: S104 - gateways connect over the site network
+    ),
+    plain_port: Annotated[
+        int | None,
+        typer.Option("--plain-port", help="Also a loopback-only, $SYS-only plain listener."),
+    ] = None,
+    persistence_dir: Annotated[
+        Path | None, typer.Option("--persistence-dir", file_okay=False)
+    ] = None,
+    log_file: Annotated[
+        Path | None, typer.Option("--log-file", dir_okay=False, help="[default: stderr]")
+    ] = None,
+    run_as: Annotated[
+        str | None, typer.Option("--run-as", help="User Mosquitto switches to when root.")
+    ] = None,
+    server_name: Annotated[
+        str, typer.Option("--server-name", help="CN of the broker's certificate.")
+    ] = DEFAULT_SERVER_NAME,
+    passphrase_file: PassFileOpt = None,
+) -> None:
+    """Write mosquitto.conf and its ACL (mutual TLS, certificate CN as username, each device
+    confined to its own topics), issuing the broker's certificate if it has none."""
+    try:
+        files = write_broker_config(
+            pki_dir,
+            out_dir,
+            port=port,
+            fleet_identity=fleet_identity,
+            server_name=server_name,
+            hosts=host or None,
+            bind=bind,
+            persistence_dir=persistence_dir,
+            plain_port=plain_port,
+            log_file=log_file,
+            run_as=run_as,
+            passphrase=_passphrase(passphrase_file),
+        )
+    except PkiError as exc:
+        raise _fail(exc) from None
+    typer.echo(f"config  {files.conf}")
+    typer.echo(f"acl     {files.acl}")
+    verb = "issued" if files.issued_server_cert else "kept"
+    typer.echo(f"server  {files.server_cert} ({verb})")
+    typer.echo(f"run: mosquitto -c {files.conf}")
+    user = run_as or "mosquitto"
+    if os.geteuid() == 0 and user != "root":
+        # Mosquitto started as root switches user before it reads the key; 0600 root-owned
+        # would stop it at start with only "Unable to load server key file".
+        typer.echo(
+            f"note: mosquitto switches to user {user!r} before reading {files.server_key}; "
+            f"make it that user's (chown {user} {files.server_key}), keeping mode 0600",
+            err=True,
+        )

@@ -1,0 +1,205 @@
+"""What the SQLite and PostgreSQL backends share: batch preparation, the state rule, SQL text.
+
+Pure functions over rows and values; no database access here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from fleet.errors import FleetStoreError
+from fleet.store.base import DATA_KINDS, DeviceInfo, Gap, Row
+
+
+class _DecisionBits(msgspec.Struct):
+    """The two decision fields the store indexes; the body was validated by the caller."""
+
+    label: str | None = None
+    stage_latency_ms: dict[str, float | None] = msgspec.field(default_factory=dict)
+
+
+_DECISION = msgspec.json.Decoder(_DecisionBits)
+
+
+@dataclass(slots=True)
+class Batch:
+    """One ingest batch, prepared for the SQL of either backend.
+
+    Rows are sorted by key so that concurrent workers take row locks in the same order (no
+    deadlock between two PostgreSQL transactions inserting overlapping batches).
+    """
+
+    messages: list[tuple[str, str, int, str, int, int, str | None, bytes]]
+    boots: list[tuple[str, str, int]]  # device, boot_id, first received_ns
+    devices: list[tuple[str, str, int, int]]  # device, site, first received, last received
+    latencies: list[tuple[str, str, int]]  # device, latency_json, t_ns of that decision
+
+
+def prepare(rows: Sequence[Row]) -> Batch:
+    """Check and arrange ``rows``. Raises FleetStoreError naming the bad row."""
+    messages = []
+    boots: dict[tuple[str, str], int] = {}
+    devices: dict[str, tuple[str, int, int]] = {}
+    latest: dict[str, tuple[int, dict[str, float]]] = {}
+    for i, r in enumerate(sorted(rows, key=lambda r: (r.device, r.boot_id, r.seq))):
+        if r.kind not in DATA_KINDS:
+            raise FleetStoreError(
+                f"ingest row {i} ({r.device}/{r.boot_id}/{r.seq}): kind {r.kind!r} is not "
+                f"a data kind; expected one of {', '.join(DATA_KINDS)}"
+            )
+        label = None
+        if r.kind == "decision":
+            try:
+                bits = _DECISION.decode(r.body)
+            except msgspec.DecodeError as exc:
+                raise FleetStoreError(
+                    f"ingest row {i} ({r.device}/{r.boot_id}/{r.seq}): decision body does "
+                    f"not parse: {exc}"
+                ) from None
+            label = bits.label
+            stages = {
+                k: float(v)
+                for k, v in bits.stage_latency_ms.items()
+                if v is not None and math.isfinite(v)
+            }
+            prev = latest.get(r.device)
+            if prev is None or r.t_ns >= prev[0]:
+                latest[r.device] = (r.t_ns, stages)
+        messages.append((r.device, r.boot_id, r.seq, r.kind, r.t_ns, r.received_ns, label, r.body))
+        key = (r.device, r.boot_id)
+        boots[key] = min(boots.get(key, r.received_ns), r.received_ns)
+        site, first, last = devices.get(r.device, (r.site, r.received_ns, r.received_ns))
+        devices[r.device] = (site, min(first, r.received_ns), max(last, r.received_ns))
+    return Batch(
+        messages=messages,
+        boots=[(d, b, ns) for (d, b), ns in sorted(boots.items())],
+        devices=[(d, s, f, la) for d, (s, f, la) in sorted(devices.items())],
+        latencies=[
+            (d, json.dumps(stages, sort_keys=True), t) for d, (t, stages) in sorted(latest.items())
+        ],
+    )
+
+
+def state_applies(
+    current_boot: str | None, current_t_ns: int | None, boot_id: str, t_ns: int
+) -> bool:
+    """Whether a state message of ``boot_id`` made at ``t_ns`` may set online/offline.
+
+    The registry follows the newest boot. A state of the boot it already follows applies in
+    arrival order (a Last Will is composed at connect time, so its ``t_ns`` is older than the
+    birth it pairs with and cannot be ordered by time). A state of another boot applies only
+    if it was made after the state that set the current boot: a Last Will or clean offline of
+    an old boot that arrives late is older than the new boot's birth and must not mark the
+    new boot offline. (This trusts device clocks to move forward across a reboot.)
+    """
+    if current_boot is None or current_t_ns is None or current_boot == boot_id:
+        return True
+    return t_ns > current_t_ns
+
+
+def latency_from_json(text: str) -> dict[str, float]:
+    try:
+        data: Any = json.loads(text)
+    except ValueError:
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): float(v) for k, v in data.items() if isinstance(v, int | float)}
+
+
+#: Columns read by :func:`device_info`, in order; ``last_seq`` comes from a subquery.
+DEVICE_SELECT = """
+SELECT d.device, d.site, d.device_type, d.online, d.last_seen_ns, d.boot_id,
+       d.agent_version, d.model_sha256, d.first_seen_ns, d.latency_json,
+       (SELECT MAX(m.seq) FROM messages m WHERE m.device = d.device AND m.boot_id = d.boot_id)
+FROM devices d
+"""
+
+
+def device_info(row: Sequence[Any]) -> DeviceInfo:
+    return DeviceInfo(
+        device=row[0],
+        site=row[1],
+        device_type=row[2],
+        online=bool(row[3]),
+        last_seen_ns=row[4],
+        boot_id=row[5],
+        agent_version=row[6],
+        model_sha256=row[7],
+        first_seen_ns=row[8],
+        last_seq=row[10],
+        latency_ms=latency_from_json(row[9]),
+    )
+
+
+def gaps_sql(param: str, by_device: bool) -> str:
+    """Gap detection in one query, per (device, boot): the head (seqs start at 0), holes
+    between stored seqs (LAG over seq), and the tail up to the boot's watermark (the number
+    of seqs the device had assigned when it last sent a state message; see
+    :mod:`wire.messages`), including a boot of which nothing arrived. ``param`` is the
+    driver's placeholder. A tail may be data still on its way.
+    """
+    where = f"WHERE device = {param}" if by_device else ""
+    bwhere = f"AND b.device = {param}" if by_device else ""
+    return f"""
+WITH ordered AS (
+    SELECT device, boot_id, seq,
+           LAG(seq) OVER (PARTITION BY device, boot_id ORDER BY seq) AS prev
+    FROM messages {where}
+),
+holes AS (
+    SELECT device, boot_id, prev + 1 AS first_missing, seq - 1 AS last_missing
+    FROM ordered WHERE prev IS NOT NULL AND seq > prev + 1
+),
+spans AS (
+    SELECT device, boot_id, MIN(seq) AS low, MAX(seq) AS top
+    FROM ordered GROUP BY device, boot_id
+),
+heads AS (
+    SELECT device, boot_id, 0 AS first_missing, low - 1 AS last_missing
+    FROM spans WHERE low > 0
+),
+tails AS (
+    SELECT t.device, t.boot_id, t.top + 1 AS first_missing, b.watermark - 1 AS last_missing
+    FROM spans t JOIN boots b ON b.device = t.device AND b.boot_id = t.boot_id
+    WHERE b.watermark IS NOT NULL AND b.watermark - 1 > t.top
+),
+empties AS (
+    SELECT b.device, b.boot_id, 0 AS first_missing, b.watermark - 1 AS last_missing
+    FROM boots b
+    WHERE b.watermark IS NOT NULL AND b.watermark > 0 {bwhere}
+      AND NOT EXISTS (SELECT 1 FROM spans s WHERE s.device = b.device AND s.boot_id = b.boot_id)
+),
+found AS (
+    SELECT * FROM heads UNION ALL SELECT * FROM holes
+    UNION ALL SELECT * FROM tails UNION ALL SELECT * FROM empties
+)
+SELECT f.device, f.boot_id, f.first_missing, f.last_missing
+FROM found f LEFT JOIN boots b ON b.device = f.device AND b.boot_id = f.boot_id
+ORDER BY f.device, b.first_received_ns, f.boot_id, f.first_missing
+"""  # noqa: S608 - constant fragments; values are bound parameters
+
+
+def gap_rows(rows: Sequence[Sequence[Any]]) -> list[Gap]:
+    return [Gap(str(r[0]), str(r[1]), int(r[2]), int(r[3])) for r in rows]
+
+
+def counts_from(kinds: Sequence[Sequence[Any]], quarantined: int, devices: int) -> dict[str, int]:
+    out = dict.fromkeys(DATA_KINDS, 0)
+    for kind, n in kinds:
+        out[str(kind)] = int(n)
+    out["quarantined"] = quarantined
+    out["devices"] = devices
+    return out
+
+
+def check_limit(limit: int) -> int:
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        raise FleetStoreError(f"limit must be a non-negative int, got {limit!r}")
+    return limit

@@ -1,0 +1,238 @@
+"""The fleet store's interface and the records that cross it.
+
+One :class:`Store` per worker (thread or process): a store object owns one database
+connection and is not shared between threads. Several stores on the same database are safe
+together; ingest is idempotent on ``(device, boot_id, seq)``, so a message redelivered by the
+broker, or handled by two workers, is stored once and counted as a duplicate.
+
+Time values are UNIX nanoseconds (``*_ns``) and are always passed in by the caller (the
+store never reads the clock), so tests need no sleeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+from fleet.errors import FleetStoreError
+
+if TYPE_CHECKING:
+    from wire.messages import StateMsg
+
+#: The data kinds a :class:`Row` may hold (the seq-numbered streams of the wire contract).
+DATA_KINDS = ("telemetry", "decision", "ota/status")
+#: What :meth:`Store.quarantine` keeps of a payload; the caller cuts it to this.
+QUARANTINE_PAYLOAD_MAX = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One validated data message, ready to store. ``body`` is the payload exactly as received."""
+
+    device: str
+    site: str
+    kind: str  # "telemetry" | "decision" | "ota/status"
+    boot_id: str
+    seq: int
+    t_ns: int
+    body: bytes
+    received_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """A message the fleet refused, kept for a person to look at. ``where`` is a JSON path."""
+
+    topic: str
+    payload: bytes  # cut by the caller to QUARANTINE_PAYLOAD_MAX
+    reason: str
+    where: str
+    received_ns: int
+    device: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class IngestResult:
+    inserted: int
+    duplicates: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
+    """The registry's view of one device.
+
+    ``online``, ``boot_id`` and the versions come from the newest boot's state messages;
+    ``last_seen_ns`` is the latest receive time of any message from the device;
+    ``last_seq`` is the highest data seq stored for the current boot; ``latency_ms`` is the
+    ``stage_latency_ms`` of the device's most recent decision (null stages left out).
+    """
+
+    device: str
+    site: str
+    device_type: str
+    online: bool
+    last_seen_ns: int | None
+    boot_id: str | None
+    agent_version: str
+    model_sha256: str
+    first_seen_ns: int
+    last_seq: int | None
+    latency_ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """Seqs ``first_missing..last_missing`` (inclusive) of one boot that were never stored."""
+
+    device: str
+    boot_id: str
+    first_missing: int
+    last_missing: int
+
+
+class Store(Protocol):
+    """What the ingest workers, the registry and the CLI need from a database.
+
+    Every method raises :class:`fleet.errors.FleetStoreError` (never a driver exception).
+    """
+
+    #: The store's URL with any password replaced by ``***`` (safe to log).
+    url: str
+
+    def migrate(self) -> int:
+        """Apply pending migrations (each in its own transaction); return the schema version.
+
+        Raises :class:`fleet.errors.SchemaTooNew` if the database is newer than this code.
+        """
+        ...
+
+    def ingest(self, rows: Sequence[Row]) -> IngestResult:
+        """Store ``rows`` in ONE transaction. A row whose ``(device, boot_id, seq)`` is already
+        stored (or repeated inside ``rows``) is counted as a duplicate, not an error.
+
+        Also updates the registry's ``last_seen_ns`` and, for decisions, the latest stage
+        latencies. Devices not yet in the registry are added (the caller decides beforehand,
+        with :meth:`ensure_device`, whether a device is welcome).
+        """
+        ...
+
+    def quarantine(self, items: Sequence[Quarantined]) -> None:
+        """Keep refused messages (one transaction); payloads beyond 4 KiB are cut."""
+        ...
+
+    def record_state(self, device: str, site: str, state: StateMsg, received_ns: int) -> None:
+        """Update the registry from a state message (birth, clean offline or Last Will).
+
+        A state of an OLDER boot than the one the registry holds (by ``t_ns``) only raises the
+        watermark of that old boot; it never marks the newer boot offline. The state's ``seq``
+        (the device's data watermark) feeds :meth:`gaps`. Adds the device if missing: apply
+        the registration policy with :meth:`ensure_device` first.
+        """
+        ...
+
+    def ensure_device(
+        self, device: str, site: str, received_ns: int, *, auto_register: bool
+    ) -> bool:
+        """True if ``device`` is registered (adding it when ``auto_register``); False means
+        unknown and not added: the caller quarantines its messages."""
+        ...
+
+    def register_device(self, device: str, site: str, device_type: str = "generic") -> None:
+        """Add ``device`` to the registry, or update its site and type if already there.
+
+        ``first_seen_ns`` stays 0 until the device's first message."""
+        ...
+
+    def devices(self) -> list[DeviceInfo]:
+        """Every registered device, ordered by name."""
+        ...
+
+    def device(self, name: str) -> DeviceInfo | None: ...
+
+    def telemetry(
+        self, device: str, *, since_ns: int | None = None, limit: int = 100
+    ) -> list[tuple[int, int, str, bytes]]:
+        """``(t_ns, seq, boot_id, body)`` of the newest ``limit`` telemetry messages with
+        ``t_ns >= since_ns``, oldest first (newest last)."""
+        ...
+
+    def decisions(
+        self,
+        *,
+        since_ns: int | None = None,
+        device: str | None = None,
+        label: str | None = None,
+        limit: int = 100,
+    ) -> list[tuple[str, int, int, bytes]]:
+        """``(device, t_ns, seq, body)`` of the newest ``limit`` decisions matching the
+        filters, oldest first (newest last)."""
+        ...
+
+    def gaps(self, device: str | None = None) -> list[Gap]:
+        """Seq holes per ``(device, boot_id)`` between the lowest and highest seq stored, plus
+        the tail from the highest stored seq up to the boot's state watermark when known.
+
+        A boot with a watermark but no stored data reports ``0..watermark``. Ordered by
+        device, boot's first receive time, first_missing.
+        """
+        ...
+
+    def quarantined(self, *, limit: int = 100) -> list[Quarantined]:
+        """The newest ``limit`` quarantined messages, newest first."""
+        ...
+
+    def counts(self) -> dict[str, int]:
+        """``{"telemetry": n, "decision": n, "ota/status": n, "quarantined": n, "devices": n}``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for messages and logs)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    netloc = f"{user}:***@{host}" + (f":{port}" if port is not None else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def open_store(url: str) -> Store:
+    """Open the store at ``url``: ``sqlite:///abs/path.db`` or ``postgresql://...``.
+
+    Does not migrate; call :meth:`Store.migrate` (the ingest service does at start).
+    Raises :class:`fleet.errors.FleetStoreError` for any other scheme or an unreachable store.
+    """
+    scheme, sep, _ = url.partition("://")
+    if not sep:
+        raise FleetStoreError(
+            f"store URL {redact_url(url)!r} has no scheme; "
+            "expected sqlite:///abs/path.db or postgresql://..."
+        )
+    scheme = scheme.lower()
+    # Imported on use: the SQLite-only edge of the fleet never needs psycopg.
+    if scheme == "sqlite":
+        from fleet.store.sqlite import SqliteStore  # noqa: PLC0415 - on use
+
+        return SqliteStore(url)
+    if scheme in ("postgresql", "postgres"):
+        from fleet.store.postgres import PostgresStore  # noqa: PLC0415 - needs psycopg
+
+        return PostgresStore(url)
+    raise FleetStoreError(
+        f"store URL scheme {scheme!r} is not supported (in {redact_url(url)!r}); "
+        "expected 'sqlite' or 'postgresql'"
+    )

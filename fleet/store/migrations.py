@@ -1,0 +1,151 @@
+"""Versioned schema migrations, one list for both backends.
+
+Append only: a released migration is never edited, a change is a new entry with the next
+version. Each migration runs in its own transaction together with the ``schema_version`` row
+that records it, so a crash leaves the database at a version boundary. The SQLite text is
+split on ``;`` and run statement by statement (``executescript`` would commit on its own), so
+no statement may hold a ``;`` inside a literal.
+
+Tables:
+
+- ``devices``: the registry; online/offline and versions from the newest boot's state
+  messages (``state_t_ns`` orders boots), ``last_seen_ns``, the latest decision's stage
+  latencies (``latency_json``, from the decision at ``latency_t_ns``).
+- ``boots``: one row per ``(device, boot_id)``; ``watermark`` is the highest state ``seq``
+  (the last data seq the device had assigned) — the tail end for gap detection.
+- ``messages``: every data message once, keyed on ``(device, boot_id, seq)``; ``label`` is
+  copied out of decisions so they can be filtered without parsing bodies.
+- ``quarantine``: refused messages (payload cut to 4 KiB by the caller).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Migration(NamedTuple):
+    version: int
+    description: str
+    sqlite_sql: str
+    postgres_sql: str
+
+
+_V1_SQLITE = """
+CREATE TABLE devices (
+    device TEXT PRIMARY KEY,
+    site TEXT NOT NULL,
+    device_type TEXT NOT NULL DEFAULT 'generic',
+    first_seen_ns INTEGER NOT NULL,
+    last_seen_ns INTEGER,
+    online INTEGER NOT NULL DEFAULT 0,
+    boot_id TEXT,
+    state_t_ns INTEGER,
+    agent_version TEXT NOT NULL DEFAULT '',
+    model_sha256 TEXT NOT NULL DEFAULT '',
+    latency_json TEXT NOT NULL DEFAULT '{}',
+    latency_t_ns INTEGER
+);
+CREATE TABLE boots (
+    device TEXT NOT NULL,
+    boot_id TEXT NOT NULL,
+    first_received_ns INTEGER NOT NULL,
+    watermark INTEGER,
+    PRIMARY KEY (device, boot_id)
+);
+CREATE TABLE messages (
+    device TEXT NOT NULL,
+    boot_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    t_ns INTEGER NOT NULL,
+    received_ns INTEGER NOT NULL,
+    label TEXT,
+    body BLOB NOT NULL,
+    PRIMARY KEY (device, boot_id, seq)
+);
+CREATE INDEX messages_kind_t ON messages (kind, t_ns);
+CREATE INDEX messages_device_kind_t ON messages (device, kind, t_ns);
+CREATE TABLE quarantine (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    received_ns INTEGER NOT NULL,
+    topic TEXT NOT NULL,
+    device TEXT,
+    reason TEXT NOT NULL,
+    where_path TEXT NOT NULL,
+    payload BLOB NOT NULL
+);
+CREATE INDEX quarantine_received ON quarantine (received_ns)
+"""
+
+_V1_POSTGRES = """
+CREATE TABLE devices (
+    device TEXT PRIMARY KEY,
+    site TEXT NOT NULL,
+    device_type TEXT NOT NULL DEFAULT 'generic',
+    first_seen_ns BIGINT NOT NULL,
+    last_seen_ns BIGINT,
+    online BOOLEAN NOT NULL DEFAULT FALSE,
+    boot_id TEXT,
+    state_t_ns BIGINT,
+    agent_version TEXT NOT NULL DEFAULT '',
+    model_sha256 TEXT NOT NULL DEFAULT '',
+    latency_json TEXT NOT NULL DEFAULT '{}',
+    latency_t_ns BIGINT
+);
+CREATE TABLE boots (
+    device TEXT NOT NULL,
+    boot_id TEXT NOT NULL,
+    first_received_ns BIGINT NOT NULL,
+    watermark BIGINT,
+    PRIMARY KEY (device, boot_id)
+);
+CREATE TABLE messages (
+    device TEXT NOT NULL,
+    boot_id TEXT NOT NULL,
+    seq BIGINT NOT NULL,
+    kind TEXT NOT NULL,
+    t_ns BIGINT NOT NULL,
+    received_ns BIGINT NOT NULL,
+    label TEXT,
+    body BYTEA NOT NULL,
+    PRIMARY KEY (device, boot_id, seq)
+);
+CREATE INDEX messages_kind_t ON messages (kind, t_ns);
+CREATE INDEX messages_device_kind_t ON messages (device, kind, t_ns);
+CREATE TABLE quarantine (
+    id BIGSERIAL PRIMARY KEY,
+    received_ns BIGINT NOT NULL,
+    topic TEXT NOT NULL,
+    device TEXT,
+    reason TEXT NOT NULL,
+    where_path TEXT NOT NULL,
+    payload BYTEA NOT NULL
+);
+CREATE INDEX quarantine_received ON quarantine (received_ns)
+"""
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "registry, boots, messages, quarantine", _V1_SQLITE, _V1_POSTGRES),
+)
+
+#: The schema version this code writes and reads.
+LATEST = MIGRATIONS[-1].version
+
+
+def _check_order() -> None:
+    versions = [m.version for m in MIGRATIONS]
+    if versions != list(range(1, len(versions) + 1)):
+        raise RuntimeError(f"fleet store migrations are not numbered 1..n: {versions}")
+
+
+_check_order()
+
+
+def pending(current: int) -> list[Migration]:
+    """The migrations to apply to a database at ``current``, in order."""
+    return [m for m in MIGRATIONS if m.version > current]
+
+
+def sqlite_statements(sql: str) -> list[str]:
+    """The statements of a migration's SQLite text (see the module docstring)."""
+    return [s.strip() for s in sql.split(";") if s.strip()]

@@ -1,0 +1,342 @@
+"""The embedded store: one SQLite file in WAL mode.
+
+Several workers (threads or processes) may each open their own :class:`SqliteStore` on the
+same file. Writes take the database lock up front (``BEGIN IMMEDIATE``) so that two writers
+never both hold a read snapshot and then deadlock upgrading it; ``busy_timeout`` makes the
+second wait instead of failing. ``synchronous=NORMAL`` in WAL mode keeps the database
+consistent on power loss and may lose only the last commits, which the broker redelivers.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import unquote, urlsplit
+
+from fleet.errors import FleetStoreError, SchemaTooNew
+from fleet.store import _common
+from fleet.store.base import (
+    QUARANTINE_PAYLOAD_MAX,
+    DeviceInfo,
+    Gap,
+    IngestResult,
+    Quarantined,
+    Row,
+)
+from fleet.store.migrations import LATEST, pending, sqlite_statements
+
+if TYPE_CHECKING:
+    from wire.messages import StateMsg
+
+_T = TypeVar("_T")
+#: How long a writer waits for another's transaction before giving up.
+BUSY_TIMEOUT_MS = 15_000
+_QMAX = QUARANTINE_PAYLOAD_MAX
+#: A device registered ahead of its first message has first_seen_ns 0 until that message.
+_FIRST_SEEN = (
+    "first_seen_ns = CASE WHEN first_seen_ns = 0 THEN excluded.first_seen_ns ELSE first_seen_ns END"
+)
+
+
+class SqliteStore:
+    """:class:`fleet.store.base.Store` on SQLite. Use one per worker thread or process."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        parts = urlsplit(url)
+        path = unquote(parts.path)
+        if parts.scheme.lower() != "sqlite" or parts.netloc or not path.startswith("/"):
+            raise FleetStoreError(
+                f"store URL {url!r}: expected sqlite:///absolute/path.db (three slashes, then "
+                "an absolute path)"
+            )
+        self.path = path
+        # The lock makes one Store safe to hand between threads (asyncio.to_thread runs on
+        # any pool thread); it is not meant to be shared by busy workers.
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(
+                path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+            )
+            self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            self._db.execute("PRAGMA synchronous = NORMAL")
+        except sqlite3.Error as exc:
+            raise FleetStoreError(f"store {url}: cannot open {path}: {exc}") from None
+        if str(mode).lower() != "wal":
+            raise FleetStoreError(f"store {url}: cannot switch {path} to WAL mode (got {mode})")
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _run(self, what: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        with self._lock:
+            try:
+                return fn(self._db)
+            except sqlite3.Error as exc:
+                raise FleetStoreError(f"store {self.url}: {what} failed: {exc}") from None
+
+    @contextmanager
+    def _write(self, db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            # SQLite may already have rolled back on its own (disk full, I/O error).
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    # -- schema --------------------------------------------------------------------------
+
+    @staticmethod
+    def _version(db: sqlite3.Connection) -> int:
+        db.execute(
+            "CREATE TABLE IF NOT EXISTS schema_version ("
+            "version INTEGER PRIMARY KEY, description TEXT NOT NULL)"
+        )
+        row = db.execute("SELECT MAX(version) FROM schema_version").fetchone()
+        return int(row[0] or 0)
+
+    def migrate(self) -> int:
+        def go(db: sqlite3.Connection) -> int:
+            current = self._version(db)
+            if current > LATEST:
+                raise SchemaTooNew(self.url, current, LATEST)
+            for m in pending(current):
+                with self._write(db):
+                    # Another worker may have migrated while this one waited for the lock.
+                    if self._version(db) >= m.version:
+                        continue
+                    for stmt in sqlite_statements(m.sqlite_sql):
+                        db.execute(stmt)
+                    db.execute(
+                        "INSERT INTO schema_version (version, description) VALUES (?, ?)",
+                        (m.version, m.description),
+                    )
+            return self._version(db)
+
+        return self._run("migrate", go)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def ingest(self, rows: Sequence[Row]) -> IngestResult:
+        if not rows:
+            return IngestResult(0, 0)
+        batch = _common.prepare(rows)
+
+        def go(db: sqlite3.Connection) -> IngestResult:
+            with self._write(db):
+                cur = db.executemany(
+                    "INSERT INTO messages (device, boot_id, seq, kind, t_ns, received_ns, "
+                    "label, body) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT (device, boot_id, seq) DO NOTHING",
+                    batch.messages,
+                )
+                inserted = cur.rowcount
+                db.executemany(
+                    "INSERT INTO boots (device, boot_id, first_received_ns) VALUES (?, ?, ?) "
+                    "ON CONFLICT (device, boot_id) DO UPDATE SET "
+                    "first_received_ns = MIN(first_received_ns, excluded.first_received_ns)",
+                    batch.boots,
+                )
+                db.executemany(
+                    "INSERT INTO devices (device, site, first_seen_ns, last_seen_ns) "
+                    "VALUES (?, ?, ?, ?) ON CONFLICT (device) DO UPDATE SET "
+                    "last_seen_ns = MAX(COALESCE(last_seen_ns, 0), excluded.last_seen_ns), "
+                    + _FIRST_SEEN,
+                    batch.devices,
+                )
+                db.executemany(
+                    "UPDATE devices SET latency_json = ?2, latency_t_ns = ?3 "
+                    "WHERE device = ?1 AND (latency_t_ns IS NULL OR latency_t_ns <= ?3)",
+                    batch.latencies,
+                )
+            return IngestResult(inserted, len(rows) - inserted)
+
+        return self._run("ingest", go)
+
+    def quarantine(self, items: Sequence[Quarantined]) -> None:
+        if not items:
+            return
+
+        def go(db: sqlite3.Connection) -> None:
+            with self._write(db):
+                db.executemany(
+                    "INSERT INTO quarantine (received_ns, topic, device, reason, where_path, "
+                    "payload) VALUES (?, ?, ?, ?, ?, ?)",
+                    [
+                        (q.received_ns, q.topic, q.device, q.reason, q.where, q.payload[:_QMAX])
+                        for q in items
+                    ],
+                )
+
+        self._run("quarantine", go)
+
+    def record_state(self, device: str, site: str, state: StateMsg, received_ns: int) -> None:
+        def go(db: sqlite3.Connection) -> None:
+            with self._write(db):
+                db.execute(
+                    "INSERT INTO boots (device, boot_id, first_received_ns, watermark) "
+                    "VALUES (?, ?, ?, ?) ON CONFLICT (device, boot_id) DO UPDATE SET "
+                    "first_received_ns = MIN(first_received_ns, excluded.first_received_ns), "
+                    "watermark = MAX(COALESCE(watermark, -1), excluded.watermark)",
+                    (device, state.boot_id, received_ns, state.seq),
+                )
+                db.execute(
+                    "INSERT INTO devices (device, site, first_seen_ns, last_seen_ns) "
+                    "VALUES (?, ?, ?, ?) ON CONFLICT (device) DO UPDATE SET "
+                    "last_seen_ns = MAX(COALESCE(last_seen_ns, 0), excluded.last_seen_ns), "
+                    + _FIRST_SEEN,
+                    (device, site, received_ns, received_ns),
+                )
+                boot, t_ns = db.execute(
+                    "SELECT boot_id, state_t_ns FROM devices WHERE device = ?", (device,)
+                ).fetchone()
+                if not _common.state_applies(boot, t_ns, state.boot_id, state.t_ns):
+                    return
+                db.execute(
+                    "UPDATE devices SET site = ?, device_type = ?, online = ?, boot_id = ?, "
+                    "state_t_ns = ?, agent_version = ?, model_sha256 = ? WHERE device = ?",
+                    (
+                        site,
+                        state.device_type,
+                        1 if state.state == "online" else 0,
+                        state.boot_id,
+                        state.t_ns if boot != state.boot_id else max(t_ns or 0, state.t_ns),
+                        state.agent_version,
+                        state.model_sha256,
+                        device,
+                    ),
+                )
+
+        self._run("record_state", go)
+
+    def ensure_device(
+        self, device: str, site: str, received_ns: int, *, auto_register: bool
+    ) -> bool:
+        def go(db: sqlite3.Connection) -> bool:
+            if db.execute("SELECT 1 FROM devices WHERE device = ?", (device,)).fetchone():
+                return True
+            if not auto_register:
+                return False
+            with self._write(db):
+                db.execute(
+                    "INSERT INTO devices (device, site, first_seen_ns) VALUES (?, ?, ?) "
+                    "ON CONFLICT (device) DO NOTHING",
+                    (device, site, received_ns),
+                )
+            return True
+
+        return self._run("ensure_device", go)
+
+    def register_device(self, device: str, site: str, device_type: str = "generic") -> None:
+        # first_seen_ns is 0 for a device registered ahead of its first message.
+        def go(db: sqlite3.Connection) -> None:
+            with self._write(db):
+                db.execute(
+                    "INSERT INTO devices (device, site, device_type, first_seen_ns) "
+                    "VALUES (?, ?, ?, 0) ON CONFLICT (device) DO UPDATE SET "
+                    "site = excluded.site, device_type = excluded.device_type",
+                    (device, site, device_type),
+                )
+
+        self._run("register_device", go)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def devices(self) -> list[DeviceInfo]:
+        def go(db: sqlite3.Connection) -> list[DeviceInfo]:
+            rows = db.execute(_common.DEVICE_SELECT + " ORDER BY d.device").fetchall()
+            return [_common.device_info(r) for r in rows]
+
+        return self._run("devices", go)
+
+    def device(self, name: str) -> DeviceInfo | None:
+        def go(db: sqlite3.Connection) -> DeviceInfo | None:
+            row = db.execute(_common.DEVICE_SELECT + " WHERE d.device = ?", (name,)).fetchone()
+            return None if row is None else _common.device_info(row)
+
+        return self._run("device", go)
+
+    def telemetry(
+        self, device: str, *, since_ns: int | None = None, limit: int = 100
+    ) -> list[tuple[int, int, str, bytes]]:
+        limit = _common.check_limit(limit)
+
+        def go(db: sqlite3.Connection) -> list[tuple[int, int, str, bytes]]:
+            rows = db.execute(
+                "SELECT t_ns, seq, boot_id, body FROM messages "
+                "WHERE device = ? AND kind = 'telemetry' AND t_ns >= ? "
+                "ORDER BY t_ns DESC, seq DESC LIMIT ?",
+                (device, -1 if since_ns is None else since_ns, limit),
+            ).fetchall()
+            return [(r[0], r[1], r[2], bytes(r[3])) for r in reversed(rows)]
+
+        return self._run("telemetry", go)
+
+    def decisions(
+        self,
+        *,
+        since_ns: int | None = None,
+        device: str | None = None,
+        label: str | None = None,
+        limit: int = 100,
+    ) -> list[tuple[str, int, int, bytes]]:
+        limit = _common.check_limit(limit)
+        where = ["kind = 'decision'", "t_ns >= ?"]
+        args: list[Any] = [-1 if since_ns is None else since_ns]
+        if device is not None:
+            where.append("device = ?")
+            args.append(device)
+        if label is not None:
+            where.append("label = ?")
+            args.append(label)
+        sql = (
+            "SELECT device, t_ns, seq, body FROM messages WHERE "  # noqa: S608 - constants
+            + " AND ".join(where)
+            + " ORDER BY t_ns DESC, device DESC, seq DESC LIMIT ?"
+        )
+
+        def go(db: sqlite3.Connection) -> list[tuple[str, int, int, bytes]]:
+            rows = db.execute(sql, (*args, limit)).fetchall()
+            return [(r[0], r[1], r[2], bytes(r[3])) for r in reversed(rows)]
+
+        return self._run("decisions", go)
+
+    def gaps(self, device: str | None = None) -> list[Gap]:
+        sql = _common.gaps_sql("?", device is not None)
+        args = () if device is None else (device, device)
+        return self._run("gaps", lambda db: _common.gap_rows(db.execute(sql, args).fetchall()))
+
+    def quarantined(self, *, limit: int = 100) -> list[Quarantined]:
+        limit = _common.check_limit(limit)
+
+        def go(db: sqlite3.Connection) -> list[Quarantined]:
+            rows = db.execute(
+                "SELECT topic, payload, reason, where_path, received_ns, device FROM quarantine "
+                "ORDER BY received_ns DESC, id DESC LIMIT ?",
+                (limit,),
+            ).fetchall()
+            return [Quarantined(r[0], bytes(r[1]), r[2], r[3], r[4], r[5]) for r in rows]
+
+        return self._run("quarantined", go)
+
+    def counts(self) -> dict[str, int]:
+        def go(db: sqlite3.Connection) -> dict[str, int]:
+            kinds = db.execute("SELECT kind, COUNT(*) FROM messages GROUP BY kind").fetchall()
+            q = db.execute("SELECT COUNT(*) FROM quarantine").fetchone()[0]
+            d = db.execute("SELECT COUNT(*) FROM devices").fetchone()[0]
+            return _common.counts_from(kinds, int(q), int(d))
+
+        return self._run("counts", go)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __repr__(self) -> str:
+        return f"SqliteStore({self.url!r})"

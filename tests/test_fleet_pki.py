@@ -1,0 +1,649 @@
+"""The fleet CA and the broker config, against a real Mosquitto running the generated config.
+
+Every broker test starts Mosquitto with exactly what ``fleet.broker_config`` renders (plus a
+log file and, when the tests run as root, ``user root`` so Mosquitto can read the 0600 key
+after it drops privileges), and talks to it with paho MQTT 5 clients over mutual TLS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import ssl
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+import typer
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+from typer.testing import CliRunner
+
+from fleet import pki
+from fleet.broker_config import render_acl, render_broker_config, write_broker_config
+from fleet.errors import FleetError, PkiError
+from fleet.pki_cli import broker_config_cmd, pki_app
+from tests.mqtt_broker import Mosquitto, free_port
+from wire.topics import shared_subscription, topic
+
+NOT_AUTHORIZED = 135
+# An accepted QoS 1 publish: Success, or "No matching subscribers" (16) when nobody listens.
+ACCEPTED = (0, 16)
+TIMEOUT = 5.0
+
+
+def _me() -> str:
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+# --- an MQTT 5 client over mutual TLS that records what the broker answered ----------------
+
+
+class Peer:
+    def __init__(
+        self,
+        port: int,
+        ca: Path | None,
+        cert: Path | None,
+        key: Path | None,
+        *,
+        client_id: str,
+        will_topic: str | None = None,
+    ) -> None:
+        self.port = port
+        self.client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5
+        )
+        if ca is not None:  # None: the plain loopback listener
+            self.client.tls_set(
+                ca_certs=str(ca),
+                certfile=str(cert) if cert else None,
+                keyfile=str(key) if key else None,
+            )
+        if will_topic is not None:
+            self.client.will_set(will_topic, b"offline", qos=1)
+        self._cond = threading.Condition()
+        self.connack: int | None = None
+        self.disconnected = False
+        self.pubacks: dict[int, int] = {}
+        self.subacks: dict[int, list[int]] = {}
+        self.messages: list[tuple[str, bytes, bool]] = []
+        self.client.on_connect = self._on_connect
+        self.client.on_disconnect = self._on_disconnect
+        self.client.on_publish = self._on_publish
+        self.client.on_subscribe = self._on_subscribe
+        self.client.on_message = self._on_message
+
+    def _on_connect(
+        self, c: mqtt.Client, u: object, f: object, rc: ReasonCode, p: Properties | None
+    ) -> None:
+        with self._cond:
+            self.connack = rc.value
+            self._cond.notify_all()
+
+    def _on_disconnect(
+        self, c: mqtt.Client, u: object, f: object, rc: ReasonCode, p: Properties | None
+    ) -> None:
+        with self._cond:
+            self.disconnected = True
+            self._cond.notify_all()
+
+    def _on_publish(
+        self, c: mqtt.Client, u: object, mid: int, rc: ReasonCode, p: Properties
+    ) -> None:
+        with self._cond:
+            self.pubacks[mid] = rc.value
+            self._cond.notify_all()
+
+    def _on_subscribe(
+        self, c: mqtt.Client, u: object, mid: int, rcs: list[ReasonCode], p: Properties
+    ) -> None:
+        with self._cond:
+            self.subacks[mid] = [rc.value for rc in rcs]
+            self._cond.notify_all()
+
+    def _on_message(self, c: mqtt.Client, u: object, msg: mqtt.MQTTMessage) -> None:
+        with self._cond:
+            self.messages.append((msg.topic, bytes(msg.payload), bool(msg.retain)))
+            self._cond.notify_all()
+
+    def wait(self, what: str, pred: Callable[[], bool]) -> None:
+        with self._cond:
+            if not self._cond.wait_for(pred, TIMEOUT):
+                raise AssertionError(f"timed out waiting for {what}")
+
+    def start(self) -> Peer:
+        self.client.connect("127.0.0.1", self.port, keepalive=30)
+        self.client.loop_start()
+        self.wait("CONNACK", lambda: self.connack is not None)
+        assert self.connack == 0
+        return self
+
+    def stop(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+    def publish(self, topic_name: str, payload: bytes, *, retain: bool = False) -> int:
+        """The PUBACK reason code of a QoS 1 publish."""
+        info = self.client.publish(topic_name, payload, qos=1, retain=retain)
+        self.wait(f"PUBACK for {topic_name}", lambda: info.mid in self.pubacks)
+        return self.pubacks[info.mid]
+
+    def subscribe(self, filt: str) -> list[int]:
+        """The SUBACK reason codes of a QoS 1 subscription."""
+        _, mid = self.client.subscribe(filt, qos=1)
+        assert mid is not None
+        self.wait(f"SUBACK for {filt}", lambda: mid in self.subacks)
+        return self.subacks[mid]
+
+    def payloads(self) -> list[bytes]:
+        with self._cond:
+            return [m[1] for m in self.messages]
+
+
+def connect_fails(port: int, ca: Path, cert: Path | None, key: Path | None) -> str:
+    """How a connection that must be refused ended; fails the test if a CONNACK arrives."""
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="intruder", protocol=mqtt.MQTTv5)
+    client.tls_set(
+        ca_certs=str(ca), certfile=str(cert) if cert else None, keyfile=str(key) if key else None
+    )
+    got_connack: list[int] = []
+    client.on_connect = lambda c, u, f, rc, p: got_connack.append(rc.value)
+    try:
+        client.connect("127.0.0.1", port)
+    except (ssl.SSLError, OSError) as exc:
+        # TLS 1.2: the broker rejects the certificate inside the handshake.
+        return f"handshake: {exc}"
+    # TLS 1.3: the client's side of the handshake completes before the broker has checked
+    # its certificate; the broker then closes the connection before any MQTT traffic.
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while time.monotonic() < deadline:
+            rc = client.loop(0.1)
+            assert not got_connack, f"the broker accepted the connection (CONNACK {got_connack})"
+            if rc != mqtt.MQTT_ERR_SUCCESS:
+                return f"closed: {mqtt.error_string(rc)}"
+    except (ssl.SSLError, OSError) as exc:
+        return f"closed: {exc}"
+    finally:
+        with contextlib.suppress(Exception):
+            client.disconnect()
+    raise AssertionError("the connection neither succeeded nor failed within the timeout")
+
+
+# --- a CA, certificates and a broker running the generated config ---------------------------
+
+
+@dataclass
+class Fleet:
+    ca_dir: Path
+    ca: Path
+    certs: dict[str, pki.IssuedPaths]
+    broker: Mosquitto
+    plain_port: int
+    peers: list[Peer]
+
+    def peer(self, name: str, *, client_id: str | None = None, **kw: str) -> Peer:
+        c = self.certs[name]
+        p = Peer(self.broker.port, self.ca, c.cert, c.key, client_id=client_id or name, **kw)
+        self.peers.append(p)
+        return p.start()
+
+    def wait_log(self, needle: str) -> str:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            if needle in (log := self.broker.log()):
+                return log
+            time.sleep(0.05)
+        raise AssertionError(f"{needle!r} not in the broker log:\n{self.broker.log()}")
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    ca_dir = tmp_path / "ca"
+    pki.init_ca(ca_dir)
+    kinds: dict[str, pki.Kind] = {"gw-1": "device", "gw-2": "device", "fleet": "service"}
+    certs = {
+        name: pki.issue(ca_dir, name, tmp_path / "holders" / name, kind=kind)
+        for name, kind in kinds.items()
+    }
+    port, plain_port = free_port(), free_port()
+    workdir = tmp_path / "broker"
+    files = write_broker_config(
+        ca_dir,
+        workdir,
+        port=port,
+        plain_port=plain_port,
+        hosts=["localhost", "127.0.0.1"],
+        log_file=workdir / "mosquitto.log",
+        run_as=_me(),
+    )
+    broker = Mosquitto(workdir, port=port, config=files.conf.read_text())
+    broker.start()
+    f = Fleet(ca_dir, ca_dir / pki.CA_CERT, certs, broker, plain_port, [])
+    try:
+        yield f
+    finally:
+        for p in f.peers:
+            p.stop()
+        broker.stop()
+
+
+def test_device_publishes_its_own_uplink_and_the_fleet_receives_it(fleet: Fleet) -> None:
+    ingest = fleet.peer("fleet")
+    assert ingest.subscribe("edgefleet/v1/#") == [1]
+    # The shared ingest subscriptions of wire.topics, from a second fleet worker.
+    worker = fleet.peer("fleet", client_id="fleet-worker")
+    for filt in shared_subscription("ingest"):
+        assert worker.subscribe(filt) == [1]
+    gw1 = fleet.peer("gw-1")
+    sent = []
+    for kind in ("state", "telemetry", "decision", "ota/status"):
+        payload = f"gw-1 {kind}".encode()
+        assert gw1.publish(topic("site-a", "gw-1", kind), payload) == 0
+        sent.append(payload)
+    # The site level is a `+` in the ACL: the certificate binds the device, not its site.
+    assert gw1.publish(topic("site-b", "gw-1", "telemetry"), b"elsewhere") == 0
+    sent.append(b"elsewhere")
+    ingest.wait("all uplinks", lambda: len(ingest.messages) == 5)
+    worker.wait("all uplinks, shared", lambda: len(worker.messages) == 5)
+    assert ingest.payloads() == sent
+    assert worker.payloads() == sent
+    assert ingest.messages[1][0] == "edgefleet/v1/site-a/gw-1/telemetry"
+
+
+def test_device_cannot_publish_as_another_device_or_off_its_kinds(fleet: Fleet) -> None:
+    ingest = fleet.peer("fleet")
+    assert ingest.subscribe("edgefleet/v1/#") == [1]
+    gw1 = fleet.peer("gw-1")
+    forbidden = [
+        "edgefleet/v1/site-a/gw-2/telemetry",  # another device
+        "edgefleet/v1/site-a/gw-2/state",
+        "edgefleet/v1/site-a/gw-1/cmd/ota",  # commands only come from the fleet
+        "edgefleet/v1/site-a/gw-1/other",  # not an uplink kind
+        "edgefleet/v1/site-a/gw-1/telemetry/extra",
+        "edgefleet/v1/gw-1/telemetry",  # a different layout
+        "somewhere/else",
+    ]
+    for name in forbidden:
+        # Mosquitto 2.0.11 answers a denied QoS 1 publish with PUBACK 135 and drops it.
+        assert gw1.publish(name, b"forged") == NOT_AUTHORIZED, name
+    # The fleet may command devices but not forge their uplink.
+    assert ingest.publish("edgefleet/v1/site-a/gw-1/telemetry", b"forged") == NOT_AUTHORIZED
+    # A marker sent after the denied ones: once it is in, anything let through would be too.
+    assert gw1.publish("edgefleet/v1/site-a/gw-1/telemetry", b"marker") == 0
+    ingest.wait("the marker", lambda: b"marker" in ingest.payloads())
+    assert ingest.payloads() == [b"marker"]
+    assert gw1.client.is_connected()
+
+
+def test_device_receives_only_its_own_commands(fleet: Fleet) -> None:
+    commander = fleet.peer("fleet")
+    # A retained command for gw-2, already on the broker when gw-1 snoops.
+    assert (
+        commander.publish("edgefleet/v1/site-a/gw-2/cmd/ota", b"retained-2", retain=True)
+        in ACCEPTED
+    )
+    gw1, gw2 = fleet.peer("gw-1"), fleet.peer("gw-2")
+    assert gw2.subscribe("edgefleet/v1/site-a/gw-2/cmd/#") == [1]
+    assert gw1.subscribe("edgefleet/v1/site-a/gw-1/cmd/#") == [1]
+    for snoop in ("edgefleet/v1/site-a/gw-2/cmd/#", "edgefleet/v1/+/+/cmd/#", "#"):
+        # Mosquitto's acl_file does not check subscriptions (2.0.11 grants every SUBACK; a
+        # broker that answers 135 is stricter still). What keeps gw-2's commands from gw-1
+        # is the per-delivery read check asserted below.
+        assert gw1.subscribe(snoop)[0] in (1, NOT_AUTHORIZED), snoop
+    assert commander.publish("edgefleet/v1/site-a/gw-2/cmd/config", b"for-2") == 0
+    assert commander.publish("edgefleet/v1/site-a/gw-1/cmd/config", b"for-1") == 0
+    gw2.wait("gw-2's commands", lambda: {b"retained-2", b"for-2"} <= set(gw2.payloads()))
+    gw1.wait("gw-1's command", lambda: b"for-1" in gw1.payloads())
+    # Let anything else in flight arrive: the commands were published before gw-1's own one,
+    # but gw-1 holds three overlapping subscriptions that match it.
+    time.sleep(0.3)
+    assert set(gw1.payloads()) == {b"for-1"}
+    assert all(t == "edgefleet/v1/site-a/gw-1/cmd/config" for t, _, _ in gw1.messages)
+    # Nor does a device see another's uplink.
+    assert gw2.publish("edgefleet/v1/site-a/gw-2/telemetry", b"t2") == 0
+    time.sleep(0.3)
+    assert b"t2" not in gw1.payloads()
+
+
+def test_will_on_another_devices_topic_is_never_delivered(fleet: Fleet) -> None:
+    ingest = fleet.peer("fleet")
+    assert ingest.subscribe("edgefleet/v1/#") == [1]
+    wills = {"gw-1-forged": "edgefleet/v1/site-a/gw-2/state"}
+    wills["gw-1-own"] = "edgefleet/v1/site-a/gw-1/state"
+    for client_id, will in wills.items():
+        c = fleet.certs["gw-1"]
+        p = Peer(fleet.broker.port, fleet.ca, c.cert, c.key, client_id=client_id, will_topic=will)
+        # Mosquitto 2.0.11 accepts the CONNECT whatever the will topic ...
+        p.start()
+        # ... and checks the will against the ACL when it fires: drop the connection without
+        # a DISCONNECT, as a gateway losing power would.
+        p.client.loop_stop()
+        sock = p.client.socket()
+        assert sock is not None
+        sock.close()
+    ingest.wait("gw-1's own will", lambda: len(ingest.messages) >= 1)
+    time.sleep(0.5)
+    assert [(t, m) for t, m, _ in ingest.messages] == [(wills["gw-1-own"], b"offline")]
+
+
+def test_client_without_certificate_cannot_connect(fleet: Fleet) -> None:
+    how = connect_fails(fleet.broker.port, fleet.ca, None, None)
+    assert how
+    fleet.wait_log("peer did not return a certificate")
+
+
+def test_certificate_from_another_ca_cannot_connect(fleet: Fleet, tmp_path: Path) -> None:
+    # Same CN as a real device: only the issuer differs.
+    rogue = tmp_path / "rogue"
+    pki.init_ca(rogue, name="EdgeFleet CA")
+    forged = pki.issue(rogue, "gw-1", rogue / "gw-1")
+    assert connect_fails(fleet.broker.port, fleet.ca, forged.cert, forged.key)
+    fleet.wait_log("certificate verify failed")
+
+
+def test_broker_certificate_is_not_a_client_certificate(fleet: Fleet) -> None:
+    # serverAuth only: a copy of the broker's key must not let anyone in as "broker".
+    server = fleet.broker.workdir
+    how = connect_fails(fleet.broker.port, fleet.ca, server / "broker.crt", server / "broker.key")
+    assert how
+    # OpenSSL checks the client certificate's purpose while verifying it.
+    fleet.wait_log("certificate verify failed")
+
+
+def test_plain_listener_is_loopback_and_sys_only(fleet: Fleet) -> None:
+    anon = Peer(fleet.plain_port, None, None, None, client_id="monitor")
+    fleet.peers.append(anon.start())
+    assert anon.publish("edgefleet/v1/site-a/gw-1/telemetry", b"anon") == NOT_AUTHORIZED
+    anon.subscribe("edgefleet/v1/#")
+    anon.subscribe("$SYS/broker/version")
+    anon.wait("$SYS", lambda: any(t == "$SYS/broker/version" for t, _, _ in anon.messages))
+    gw1 = fleet.peer("gw-1")
+    assert gw1.publish("edgefleet/v1/site-a/gw-1/telemetry", b"t1") == 0
+    time.sleep(0.3)
+    assert all(t.startswith("$SYS/") for t, _, _ in anon.messages)
+    assert f"listener {fleet.plain_port} 127.0.0.1" in fleet.broker.config_text()
+
+
+# --- the CA itself --------------------------------------------------------------------------
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_keys_are_private_and_certificates_have_the_right_shape(tmp_path: Path) -> None:
+    ca = pki.init_ca(tmp_path / "ca", days=30)
+    dev = pki.issue(ca.dir, "gw-1", tmp_path / "gw-1")
+    svc = pki.issue(ca.dir, "fleet", tmp_path / "fleet", kind="service")
+    srv = pki.issue(
+        ca.dir, "broker", tmp_path / "srv", kind="server", hosts=["mqtt.site", "127.0.0.1"]
+    )
+    for key in (ca.key, dev.key, svc.key, srv.key):
+        assert _mode(key) == 0o600, key
+    assert _mode(ca.dir) == 0o700
+    # No temp files left behind by the durable writes.
+    for folder in (ca.dir, ca.dir / pki.REGISTRY, dev.cert.parent, srv.cert.parent):
+        assert not [p for p in folder.iterdir() if p.name.startswith(".")], folder
+
+    ca_cert = pki.read_cert(ca.cert)
+    bc = ca_cert.extensions.get_extension_for_class(x509.BasicConstraints)
+    assert bc.critical
+    assert bc.value.ca
+    assert bc.value.path_length == 0
+    ku = ca_cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    assert ku.key_cert_sign
+    assert ku.crl_sign
+
+    leaf = pki.verify_issued_by(dev.cert, ca.cert)
+    assert leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "gw-1"
+    eku = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(eku) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+    assert not leaf.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    # A leaf never outlives its CA.
+    assert leaf.not_valid_after_utc <= ca_cert.not_valid_after_utc
+
+    server = pki.verify_issued_by(srv.cert, ca.cert)
+    eku = server.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(eku) == [ExtendedKeyUsageOID.SERVER_AUTH]
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["mqtt.site"]
+    assert [str(a) for a in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+
+    # The fingerprint is what openssl prints, so an operator can compare by eye.
+    out = subprocess.run(
+        ["openssl", "x509", "-in", str(dev.cert), "-noout", "-fingerprint", "-sha256"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert out.strip().split("=", 1)[1] == pki.fingerprint(dev.cert)
+    # And openssl agrees on the chain and the purpose.
+    subprocess.run(
+        ["openssl", "verify", "-CAfile", str(ca.cert), "-purpose", "sslclient", str(dev.cert)],
+        check=True,
+        capture_output=True,
+    )
+
+    listed = {c.name: c for c in pki.list_issued(ca.dir)}
+    assert {n: c.kind for n, c in listed.items()} == {
+        "broker": "server",
+        "fleet": "service",
+        "gw-1": "device",
+    }
+    assert listed["gw-1"].fingerprint == pki.fingerprint(dev.cert)
+
+
+def test_init_refuses_to_overwrite_a_ca(tmp_path: Path) -> None:
+    ca = pki.init_ca(tmp_path / "ca")
+    before = ca.cert.read_bytes()
+    with pytest.raises(PkiError, match=r"ca\.key: a CA already exists here"):
+        pki.init_ca(ca.dir)
+    assert ca.cert.read_bytes() == before
+    # A half-written CA (key without certificate) is refused too, not silently completed.
+    ca.cert.unlink()
+    with pytest.raises(PkiError, match="already exists"):
+        pki.init_ca(ca.dir)
+    again = pki.init_ca(ca.dir, force=True)
+    assert again.cert.read_bytes() != before
+    assert _mode(again.key) == 0o600
+
+
+@pytest.mark.parametrize("bad", ["gw/1", "gw+1", "gw#", "", "gw 1", "x" * 129, "gw-1/#"])
+def test_names_that_could_escape_a_topic_root_are_refused(tmp_path: Path, bad: str) -> None:
+    ca = pki.init_ca(tmp_path / "ca")
+    with pytest.raises(PkiError, match="not a valid name"):
+        pki.issue(ca.dir, bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(PkiError):
+        render_acl(fleet_identity=bad)
+
+
+def test_issue_errors_name_what_is_wrong(tmp_path: Path) -> None:
+    secret = b"correct horse"
+    ca = pki.init_ca(tmp_path / "ca", passphrase=secret)
+    assert b"ENCRYPTED" in ca.key.read_bytes()
+    with pytest.raises(PkiError, match=r"ca\.key: the key is encrypted"):
+        pki.issue(ca.dir, "gw-1", tmp_path / "o")
+    with pytest.raises(PkiError, match=r"ca\.key: .*wrong passphrase") as info:
+        pki.issue(ca.dir, "gw-1", tmp_path / "o", passphrase=b"wrong")
+    assert "correct horse" not in str(info.value)
+    pki.issue(ca.dir, "gw-1", tmp_path / "o", passphrase=secret)
+    with pytest.raises(PkiError, match="already issued as a device"):
+        pki.issue(ca.dir, "gw-1", tmp_path / "o2", kind="service", passphrase=secret)
+    pki.issue(ca.dir, "gw-1", tmp_path / "o2", passphrase=secret, force=True)
+    with pytest.raises(PkiError, match="reserved"):
+        pki.issue(ca.dir, "ca", ca.dir, passphrase=secret)
+    with pytest.raises(PkiError, match="needs at least one host"):
+        pki.issue(ca.dir, "broker", tmp_path / "s", kind="server", passphrase=secret)
+    with pytest.raises(PkiError, match="only for server"):
+        pki.issue(ca.dir, "gw-3", tmp_path / "s", hosts=["x"], passphrase=secret)
+    with pytest.raises(PkiError, match="no CA here"):
+        pki.issue(tmp_path / "nowhere", "gw-1", tmp_path / "o")
+    (tmp_path / "junk.crt").write_text("not a cert")
+    with pytest.raises(PkiError, match=r"junk\.crt: not a PEM"):
+        pki.fingerprint(tmp_path / "junk.crt")
+    assert issubclass(PkiError, FleetError)
+
+
+def test_validity_follows_the_given_clock(tmp_path: Path) -> None:
+    now = datetime(2030, 1, 1, tzinfo=UTC)
+    ca = pki.init_ca(tmp_path / "ca", now=now, days=10)
+    dev = pki.issue(ca.dir, "gw-1", tmp_path / "o", days=825, now=now)
+    cert = pki.read_cert(dev.cert)
+    # Capped at the CA's expiry, and backdated a little for gateways with slow clocks.
+    assert cert.not_valid_after_utc == now + timedelta(days=10)
+    assert now - timedelta(minutes=10) < cert.not_valid_before_utc < now
+
+
+def test_rendered_config_and_acl() -> None:
+    conf = render_broker_config(
+        ca=Path("/etc/ef/ca.crt"),
+        server_cert=Path("/etc/ef/broker.crt"),
+        server_key=Path("/etc/ef/broker.key"),
+        acl_path=Path("/etc/ef/acl"),
+    )
+    for line in (
+        "listener 8883 0.0.0.0",
+        "require_certificate true",
+        "use_identity_as_username true",
+        "tls_version tlsv1.2",
+        "allow_anonymous false",
+        "acl_file /etc/ef/acl",
+        "persistence false",
+    ):
+        assert line in conf.splitlines(), line
+    assert "127.0.0.1" not in conf  # no plain listener unless asked for
+    with pytest.raises(PkiError, match="spans lines"):
+        render_broker_config(
+            ca=Path("/x\nallow_anonymous true"),
+            server_cert=Path("/c"),
+            server_key=Path("/k"),
+            acl_path=Path("/a"),
+        )
+    with pytest.raises(PkiError, match="also the TLS port"):
+        render_broker_config(
+            ca=Path("/c"),
+            server_cert=Path("/c"),
+            server_key=Path("/k"),
+            acl_path=Path("/a"),
+            plain_port=8883,
+        )
+    acl = render_acl("fleet-svc").splitlines()
+    assert "user fleet-svc" in acl
+    assert "pattern write edgefleet/v1/+/%u/telemetry" in acl
+    assert "pattern read edgefleet/v1/+/%u/cmd/#" in acl
+    assert "topic write edgefleet/v1/+/+/cmd/#" in acl
+
+
+# --- the CLI --------------------------------------------------------------------------------
+
+
+def _app() -> typer.Typer:
+    # Mounted the way fleet.cli mounts them.
+    app = typer.Typer()
+    app.add_typer(pki_app, name="pki")
+    app.command("broker-config")(broker_config_cmd)
+    return app
+
+
+def test_cli_init_issue_list_and_broker_config(tmp_path: Path) -> None:
+    runner = CliRunner()
+    app = _app()
+    d = str(tmp_path / "pki")
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret passphrase\n")
+
+    r = runner.invoke(app, ["pki", "init", "--dir", d, "--passphrase-file", str(pw)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["pki", "init", "--dir", d])
+    assert r.exit_code == 1
+    assert "refusing to overwrite" in r.output
+
+    r = runner.invoke(app, ["pki", "issue", "gw-1", "--dir", d, "--passphrase-file", str(pw)])
+    assert r.exit_code == 0, r.output
+    assert _mode(tmp_path / "pki" / "issued" / "gw-1" / "gw-1.key") == 0o600
+    r = runner.invoke(
+        app,
+        ["pki", "issue", "fleet", "--dir", d, "--kind", "service", "--passphrase-file", str(pw)],
+    )
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["pki", "issue", "gw+1", "--dir", d, "--passphrase-file", str(pw)])
+    assert r.exit_code == 1
+    assert "not a valid name" in r.output
+    r = runner.invoke(app, ["pki", "issue", "gw-2", "--dir", d, "--kind", "robot"])
+    assert r.exit_code == 2
+
+    r = runner.invoke(app, ["pki", "list", "--dir", d, "--json"])
+    assert r.exit_code == 0, r.output
+    listed = json.loads(r.stdout)
+    assert [(c["name"], c["kind"]) for c in listed] == [("fleet", "service"), ("gw-1", "device")]
+    assert listed[1]["fingerprint"] == pki.fingerprint(
+        tmp_path / "pki" / "issued" / "gw-1" / "gw-1.crt"
+    )
+    assert datetime.strptime(listed[1]["not_after"], "%Y-%m-%dT%H:%M:%SZ")
+    r = runner.invoke(app, ["pki", "list", "--dir", d])
+    assert r.exit_code == 0
+    assert "gw-1" in r.output
+
+    out = tmp_path / "broker"
+    port = free_port()
+    args = ["broker-config", "--pki-dir", d, "--out-dir", str(out), "--port", str(port)]
+    args += ["--host", "127.0.0.1", "--run-as", _me(), "--passphrase-file", str(pw)]
+    args += ["--log-file", str(out / "mosquitto.log")]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "(issued)" in r.output
+    assert _mode(out / "broker.key") == 0o600
+    # A second run keeps the broker's certificate (it was issued by this CA).
+    first = (out / "broker.crt").read_bytes()
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "(kept)" in r.output
+    assert (out / "broker.crt").read_bytes() == first
+
+    # The CLI's files run as they are, and admit gw-1.
+    broker = Mosquitto(out, port=port, config=(out / "mosquitto.conf").read_text())
+    broker.start()
+    try:
+        holder = tmp_path / "pki" / "issued" / "gw-1"
+        gw1 = Peer(port, out / "ca.crt", holder / "gw-1.crt", holder / "gw-1.key", client_id="g")
+        gw1.start()
+        assert gw1.publish("edgefleet/v1/s/gw-1/telemetry", b"x") in ACCEPTED
+        assert gw1.publish("edgefleet/v1/s/gw-2/telemetry", b"x") == NOT_AUTHORIZED
+        gw1.stop()
+    finally:
+        broker.stop()
+
+
+def test_broker_config_refuses_a_device_as_the_fleet_identity(tmp_path: Path) -> None:
+    ca = pki.init_ca(tmp_path / "ca")
+    pki.issue(ca.dir, "fleet", tmp_path / "o")  # a *device* named fleet
+    with pytest.raises(PkiError, match="must be a service certificate"):
+        write_broker_config(ca.dir, tmp_path / "b")
+    r = CliRunner().invoke(
+        _app(), ["broker-config", "--pki-dir", str(ca.dir), "--out-dir", str(tmp_path / "b")]
+    )
+    assert r.exit_code == 1
+    assert "must be a service certificate" in r.output
+
+
+def test_broker_config_refuses_a_server_certificate_from_another_ca(tmp_path: Path) -> None:
+    ca = pki.init_ca(tmp_path / "ca")
+    other = pki.init_ca(tmp_path / "other")
+    pki.issue(other.dir, "broker", tmp_path / "b", kind="server", hosts=["localhost"])
+    with pytest.raises(PkiError, match="not issued by the CA"):
+        write_broker_config(ca.dir, tmp_path / "b")

@@ -1,0 +1,580 @@
+"""The fleet store on both backends: a real SQLite file and a real PostgreSQL.
+
+Every store test runs twice through the ``backend`` fixture. The PostgreSQL case gets a fresh
+schema per test (``search_path`` set through the URL's ``options``) and drops it afterwards,
+so tests never see each other's rows. Without ``EDGEFLEET_TEST_PG_URL`` the PostgreSQL cases
+skip, which CI (where it is always set) turns into failures: the store is proven on both.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sqlite3
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from fleet.errors import FleetStoreError, SchemaTooNew
+from fleet.store import (
+    QUARANTINE_PAYLOAD_MAX,
+    DeviceInfo,
+    Gap,
+    IngestResult,
+    Quarantined,
+    Row,
+    Store,
+    open_store,
+)
+from fleet.store.migrations import LATEST
+from tests.pg import pg_url
+from wire.messages import (
+    DecisionMsg,
+    ModelRef,
+    SignalStats,
+    StateMsg,
+    TelemetryMsg,
+    WindowRef,
+    decode,
+    encode,
+)
+
+BOOT_A = "a" * 32
+BOOT_B = "b" * 32
+T0 = 1_760_000_000_000_000_000
+SEC = 1_000_000_000
+PG_HELP = (
+    "the PostgreSQL store tests need a server: export "
+    "EDGEFLEET_TEST_PG_URL=postgresql://postgres@127.0.0.1:5432/test "
+    "(CI sets it; each test creates and drops its own schema there)"
+)
+
+
+@dataclass
+class Backend:
+    name: str
+    url: str
+    app: str = ""  # PostgreSQL application_name of this test's connections
+
+    def sql(self, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        """Run one statement outside the store (to set up what the store must cope with)."""
+        if self.name == "sqlite":
+            with sqlite3.connect(self.url.removeprefix("sqlite://")) as db:
+                return db.execute(statement.replace("%s", "?"), params).fetchall()
+        with psycopg.connect(self.url, autocommit=True) as pg:
+            cur = pg.execute(statement.encode(), params)
+            return cur.fetchall() if cur.description else []
+
+    def open(self) -> Store:
+        store = open_store(self.url)
+        store.migrate()
+        return store
+
+
+def _with_search_path(url: str, schema: str) -> str:
+    sep = "&" if "?" in url else "?"
+    return f"{url}{sep}options=-csearch_path%3D{schema}"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    if request.param == "sqlite":
+        yield Backend("sqlite", f"sqlite://{tmp_path / 'fleet.db'}")
+        return
+    base = pg_url()
+    schema = f"t_{uuid.uuid4().hex}"
+    try:
+        with psycopg.connect(base, autocommit=True) as pg:
+            pg.execute(f"CREATE SCHEMA {schema}".encode())
+    except psycopg.Error as exc:
+        pytest.fail(f"cannot reach EDGEFLEET_TEST_PG_URL ({exc}); {PG_HELP}")
+    try:
+        url = _with_search_path(base, schema) + f"&application_name={schema}"
+        yield Backend("postgresql", url, app=schema)
+    finally:
+        with psycopg.connect(base, autocommit=True) as pg:
+            pg.execute(f"DROP SCHEMA {schema} CASCADE".encode())
+
+
+@pytest.fixture
+def store(backend: Backend) -> Iterator[Store]:
+    s = backend.open()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+# -- message builders (real wire bodies, as ingest stores them) -------------------------------
+
+
+def telemetry(device: str, seq: int, *, boot: str = BOOT_A, t_ns: int | None = None) -> Row:
+    t = T0 + seq * SEC if t_ns is None else t_ns
+    msg = TelemetryMsg(
+        device=device,
+        boot_id=boot,
+        seq=seq,
+        t_ns=t,
+        period_ns=SEC,
+        keyframe=seq % 10 == 0,
+        signals={"rpm": SignalStats(1500.0, 1490.0, 1510.0, 1501.0, 100)},
+    )
+    return Row(device, "plant1", "telemetry", boot, seq, t, encode(msg), t + 5_000_000)
+
+
+def decision(
+    device: str,
+    seq: int,
+    *,
+    label: str = "normal",
+    boot: str = BOOT_A,
+    latency: dict[str, float | None] | None = None,
+) -> Row:
+    t = T0 + seq * SEC
+    msg = DecisionMsg(
+        device=device,
+        boot_id=boot,
+        seq=seq,
+        t_ns=t,
+        trace_id="c" * 32,
+        window=WindowRef(seq=seq, start_ns=t - SEC),
+        model=ModelRef(sha256="d" * 64, version="1.0.0", ran=True),
+        label=label,
+        score=0.1,
+        probabilities={label: 0.9},
+        alarms=[],
+        raised=[],
+        cleared=[],
+        rules_fired=[],
+        top_signals=[],
+        attribution="none",
+        degraded=False,
+        mode="normal",
+        stage_latency_ms=latency if latency is not None else {"perception": 1.5, "model": 0.5},
+    )
+    return Row(device, "plant1", "decision", boot, seq, t, encode(msg), t + 5_000_000)
+
+
+def state(
+    device: str,
+    what: str,
+    *,
+    boot: str = BOOT_A,
+    seq: int = 0,
+    t_ns: int = T0,
+    clean: bool = True,
+    version: str = "0.1.0",
+) -> StateMsg:
+    return StateMsg(
+        device=device,
+        boot_id=boot,
+        seq=seq,
+        t_ns=t_ns,
+        state=what,  # type: ignore[arg-type]
+        clean=clean,
+        site="plant1",
+        device_type="gw-arm64",
+        agent_version=version,
+        model_sha256="e" * 64,
+    )
+
+
+# -- URLs and schema -------------------------------------------------------------------------
+
+
+def test_open_store_rejects_unknown_scheme() -> None:
+    with pytest.raises(FleetStoreError, match="'mysql' is not supported"):
+        open_store("mysql://root@localhost/fleet")
+    with pytest.raises(FleetStoreError, match="no scheme"):
+        open_store("/var/lib/fleet.db")
+
+
+def test_sqlite_url_must_be_absolute() -> None:
+    with pytest.raises(FleetStoreError, match="absolute path"):
+        open_store("sqlite://relative.db")
+
+
+def test_postgres_connect_error_hides_the_password() -> None:
+    with pytest.raises(FleetStoreError) as info:
+        open_store("postgresql://fleet:s3cret-pw@127.0.0.1:1/fleet?connect_timeout=2")
+    assert "s3cret-pw" not in str(info.value)
+    assert "cannot connect" in str(info.value)
+
+
+def test_migrate_is_idempotent(backend: Backend) -> None:
+    first = open_store(backend.url)
+    assert first.migrate() == LATEST
+    assert first.migrate() == LATEST
+    second = open_store(backend.url)
+    assert second.migrate() == LATEST
+    first.close()
+    second.close()
+    assert backend.sql("SELECT COUNT(*) FROM schema_version") == [(LATEST,)]
+
+
+def test_migrate_refuses_a_newer_schema(backend: Backend) -> None:
+    backend.open().close()
+    backend.sql(
+        "INSERT INTO schema_version (version, description) VALUES (%s, %s)",
+        (LATEST + 1, "from the future"),
+    )
+    s = open_store(backend.url)
+    with pytest.raises(SchemaTooNew, match=f"schema version {LATEST + 1} is newer"):
+        s.migrate()
+    s.close()
+
+
+# -- ingest ----------------------------------------------------------------------------------
+
+
+def test_ingest_counts_duplicates_within_and_across_batches(store: Store) -> None:
+    rows = [telemetry("gw1", s) for s in (1, 2, 3)]
+    assert store.ingest(rows) == IngestResult(inserted=3, duplicates=0)
+    assert store.ingest(rows) == IngestResult(inserted=0, duplicates=3)
+    # seq 4 twice in one batch, seq 3 already stored, seq 5 new.
+    mixed = [telemetry("gw1", 4), telemetry("gw1", 4), telemetry("gw1", 3), telemetry("gw1", 5)]
+    assert store.ingest(mixed) == IngestResult(inserted=2, duplicates=2)
+    # Same seq, another boot or another device: distinct messages.
+    other = [telemetry("gw1", 1, boot=BOOT_B), telemetry("gw2", 1)]
+    assert store.ingest(other) == IngestResult(inserted=2, duplicates=0)
+    assert store.ingest([]) == IngestResult(0, 0)
+    assert store.counts()["telemetry"] == 7
+    got = store.telemetry("gw1", limit=10)
+    # Oldest first by t_ns; the two seq 1 messages share a t_ns, so compare as a set there.
+    assert sorted((seq, boot) for _, seq, boot, _ in got) == [
+        (1, BOOT_A),
+        (1, BOOT_B),
+        (2, BOOT_A),
+        (3, BOOT_A),
+        (4, BOOT_A),
+        (5, BOOT_A),
+    ]
+    assert [seq for _, seq, _, _ in got][2:] == [2, 3, 4, 5]
+    # Bodies come back byte for byte and still decode.
+    assert got[-1][3] == telemetry("gw1", 5).body
+    assert decode("telemetry", got[-1][3]).seq == 5
+
+
+def test_ingest_rejects_a_non_data_kind_and_stores_nothing(store: Store) -> None:
+    bad = Row("gw1", "plant1", "state", BOOT_A, 9, T0, b"{}", T0)
+    with pytest.raises(FleetStoreError, match=r"kind 'state' is not a data kind"):
+        store.ingest([telemetry("gw1", 1), bad])
+    assert store.counts()["telemetry"] == 0
+
+
+def test_concurrent_ingest_stores_each_row_once(backend: Backend) -> None:
+    backend.open().close()
+    # Two workers, batches of 50, overlapping on seqs 101..200 and in opposite order.
+    first = [telemetry("gw1", s) for s in range(1, 201)]
+    second = [telemetry("gw1", s) for s in range(300, 100, -1)]
+    results: dict[str, list[IngestResult]] = {"a": [], "b": []}
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def work(name: str, rows: list[Row]) -> None:
+        s = open_store(backend.url)
+        try:
+            start.wait()
+            for i in range(0, len(rows), 50):
+                results[name].append(s.ingest(rows[i : i + 50]))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            s.close()
+
+    threads = [
+        threading.Thread(target=work, args=("a", first)),
+        threading.Thread(target=work, args=("b", second)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    inserted = sum(r.inserted for rs in results.values() for r in rs)
+    duplicates = sum(r.duplicates for rs in results.values() for r in rs)
+    assert inserted == 300
+    assert duplicates == 100
+    s = backend.open()
+    assert s.counts()["telemetry"] == 300
+    # These seqs start at 1, so only the head (seq 0) is missing.
+    assert {(g.first_missing, g.last_missing) for g in s.gaps()} <= {(0, 0)}
+    s.close()
+
+
+def _ingest_in_process(url: str, first: int, last: int) -> tuple[int, int]:
+    """One ingest worker process: its own store, batches of 100."""
+    s = open_store(url)
+    try:
+        s.migrate()
+        got = [
+            s.ingest([telemetry("gw1", q) for q in range(i, min(i + 100, last + 1))])
+            for i in range(first, last + 1, 100)
+        ]
+        return sum(r.inserted for r in got), sum(r.duplicates for r in got)
+    finally:
+        s.close()
+
+
+def test_concurrent_ingest_from_processes(backend: Backend) -> None:
+    # Three worker processes migrate the same fresh database at once, then ingest
+    # overlapping ranges: 1..600, 301..900, 1..900.
+    ranges = [(1, 600), (301, 900), (1, 900)]
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(3) as pool:
+        results = pool.starmap(_ingest_in_process, [(backend.url, a, b) for a, b in ranges])
+    assert sum(i for i, _ in results) == 900
+    assert sum(d for _, d in results) == 600 + 600 + 900 - 900
+    s = backend.open()
+    assert s.counts()["telemetry"] == 900
+    assert {(g.first_missing, g.last_missing) for g in s.gaps()} <= {(0, 0)}
+    s.close()
+
+
+# -- quarantine ------------------------------------------------------------------------------
+
+
+def test_quarantine_round_trip(store: Store) -> None:
+    items = [
+        Quarantined(
+            "edgefleet/v1/p/gw1/telemetry", b'{"seq": "x"}', "bad type", "$.seq", T0, "gw1"
+        ),
+        Quarantined(
+            "edgefleet/v1/p/gw9/decision", b"\xff\x00binary", "unknown device", "$", T0 + 1, None
+        ),
+        Quarantined("junk/topic", b"", "not our topic", "$", T0 + 2, None),
+    ]
+    store.quarantine(items)
+    store.quarantine([])
+    got = store.quarantined()
+    assert got == list(reversed(items))  # newest first, payload bytes as given
+    assert store.quarantined(limit=1) == [items[2]]
+    assert store.counts()["quarantined"] == 3
+    # A caller that forgot to cut a payload does not grow the table without bound.
+    store.quarantine([Quarantined("t", b"x" * 100_000, "too big", "$", T0 + 3, None)])
+    assert store.quarantined(limit=1)[0].payload == b"x" * QUARANTINE_PAYLOAD_MAX
+
+
+# -- registry --------------------------------------------------------------------------------
+
+
+def test_state_online_offline_and_versions(store: Store) -> None:
+    store.record_state("gw1", "plant1", state("gw1", "online", t_ns=T0), T0 + 10)
+    info = store.device("gw1")
+    assert info is not None
+    assert info.online
+    assert (info.boot_id, info.agent_version, info.device_type) == (BOOT_A, "0.1.0", "gw-arm64")
+    assert info.model_sha256 == "e" * 64
+    assert (info.site, info.first_seen_ns, info.last_seen_ns) == ("plant1", T0 + 10, T0 + 10)
+    # The Last Will of the same boot was composed at connect time: older t_ns, still applies.
+    store.record_state("gw1", "plant1", state("gw1", "offline", t_ns=T0, clean=False), T0 + 99)
+    info = store.device("gw1")
+    assert info is not None
+    assert not info.online
+    assert info.last_seen_ns == T0 + 99
+
+
+def test_late_offline_of_an_old_boot_does_not_mark_the_new_boot_offline(store: Store) -> None:
+    store.record_state("gw1", "plant1", state("gw1", "online", boot=BOOT_A, t_ns=T0), T0)
+    # The device restarts: new boot online, with a new version.
+    new_t = T0 + 60 * SEC
+    birth = state("gw1", "online", boot=BOOT_B, t_ns=new_t, version="0.2.0")
+    store.record_state("gw1", "plant1", birth, new_t)
+    # Then the broker delivers the old boot's Last Will (composed at the old connect).
+    will = state("gw1", "offline", boot=BOOT_A, t_ns=T0, clean=False, seq=8)
+    store.record_state("gw1", "plant1", will, new_t + SEC)
+    info = store.device("gw1")
+    assert info is not None
+    assert (info.online, info.boot_id, info.agent_version) == (True, BOOT_B, "0.2.0")
+    assert info.last_seen_ns == new_t + SEC
+    # The stale state still taught the old boot's watermark (8 numbered: 0..7): all but 2
+    # of boot A are missing.
+    store.ingest([telemetry("gw1", 2, boot=BOOT_A)])
+    assert store.gaps("gw1") == [Gap("gw1", BOOT_A, 0, 1), Gap("gw1", BOOT_A, 3, 7)]
+    # A clean offline of the new boot does apply.
+    bye = state("gw1", "offline", boot=BOOT_B, t_ns=new_t + 5 * SEC)
+    store.record_state("gw1", "plant1", bye, new_t + 5 * SEC)
+    info = store.device("gw1")
+    assert info is not None
+    assert not info.online
+    assert info.boot_id == BOOT_B
+
+
+def test_ensure_device_with_and_without_auto_register(store: Store) -> None:
+    assert store.ensure_device("gw1", "plant1", T0, auto_register=False) is False
+    assert store.device("gw1") is None
+    assert store.devices() == []
+    assert store.ensure_device("gw1", "plant1", T0, auto_register=True) is True
+    assert store.ensure_device("gw1", "plant1", T0 + 5, auto_register=False) is True
+    info = store.device("gw1")
+    assert info == DeviceInfo(
+        device="gw1",
+        site="plant1",
+        device_type="generic",
+        online=False,
+        last_seen_ns=None,
+        boot_id=None,
+        agent_version="",
+        model_sha256="",
+        first_seen_ns=T0,
+        last_seq=None,
+        latency_ms={},
+    )
+    store.register_device("gw2", "plant2", "gw-x86")
+    assert store.ensure_device("gw2", "plant2", T0, auto_register=False) is True
+    store.register_device("gw2", "plant3", "gw-arm64")
+    assert [(d.device, d.site, d.device_type) for d in store.devices()] == [
+        ("gw1", "plant1", "generic"),
+        ("gw2", "plant3", "gw-arm64"),
+    ]
+    # Registered ahead of time: first seen when its first message arrives, not before.
+    gw2 = store.device("gw2")
+    assert gw2 is not None
+    assert gw2.first_seen_ns == 0
+    store.ingest([telemetry("gw2", 1)])
+    gw2 = store.device("gw2")
+    assert gw2 is not None
+    assert gw2.first_seen_ns == telemetry("gw2", 1).received_ns
+    assert (gw2.site, gw2.device_type) == ("plant3", "gw-arm64")
+
+
+def test_device_info_tracks_last_seq_seen_and_latest_latency(store: Store) -> None:
+    store.record_state("gw1", "plant1", state("gw1", "online", t_ns=T0), T0)
+    store.ingest([telemetry("gw1", 1), decision("gw1", 2, latency={"a": 1.0, "b": None})])
+    store.ingest([decision("gw1", 4, latency={"a": 2.0, "m": 0.25}), telemetry("gw1", 3)])
+    # An older decision arriving late does not replace the latest latencies.
+    store.ingest([decision("gw1", 0, latency={"a": 9.0})])
+    info = store.device("gw1")
+    assert info is not None
+    assert info.latency_ms == {"a": 2.0, "m": 0.25}
+    assert info.last_seq == 4
+    assert info.last_seen_ns == decision("gw1", 4).received_ns  # the latest receive time
+
+
+# -- gaps ------------------------------------------------------------------------------------
+
+
+def test_gaps_head_holes_tail_and_new_boot(store: Store) -> None:
+    # Seqs start at 0 at every boot: 0 is missing (the head), then 3-4 and 7-8.
+    store.ingest([telemetry("gw1", s) for s in (1, 2, 5, 6, 9)])
+    assert store.gaps() == [
+        Gap("gw1", BOOT_A, 0, 0),
+        Gap("gw1", BOOT_A, 3, 4),
+        Gap("gw1", BOOT_A, 7, 8),
+    ]
+    # The device says it numbered 13 messages (0..12): 10..12 are missing (or on their way).
+    store.record_state("gw1", "plant1", state("gw1", "online", seq=13, t_ns=T0), T0 + 1)
+    assert store.gaps("gw1")[-1] == Gap("gw1", BOOT_A, 10, 12)
+    # A lower watermark later (an old Last Will) never lowers it.
+    store.record_state("gw1", "plant1", state("gw1", "offline", seq=3, clean=False), T0 + 2)
+    assert store.gaps("gw1")[-1] == Gap("gw1", BOOT_A, 10, 12)
+    store.ingest([telemetry("gw1", s) for s in (0, 3, 4, 10, 11, 12)])
+    assert store.gaps() == [Gap("gw1", BOOT_A, 7, 8)]
+    # A new boot starts its seqs again: no gap against the old boot.
+    b_birth = state("gw1", "online", boot=BOOT_B, seq=0, t_ns=T0 + 100 * SEC)
+    store.record_state("gw1", "plant1", b_birth, T0 + 100 * SEC)
+    store.ingest([telemetry("gw1", s, boot=BOOT_B) for s in (0, 1, 2, 4)])
+    store.ingest([telemetry("gw2", s) for s in (0, 1, 3)])
+    assert store.gaps() == [
+        Gap("gw1", BOOT_A, 7, 8),
+        Gap("gw1", BOOT_B, 3, 3),
+        Gap("gw2", BOOT_A, 2, 2),
+    ]
+    assert store.gaps("gw2") == [Gap("gw2", BOOT_A, 2, 2)]
+    assert store.gaps("nobody") == []
+
+
+def test_a_boot_of_which_nothing_arrived_is_one_gap(store: Store) -> None:
+    # Its Last Will says 4 messages were numbered; none reached the store.
+    store.record_state("gw3", "plant1", state("gw3", "offline", seq=4, clean=False), T0)
+    assert store.gaps("gw3") == [Gap("gw3", BOOT_A, 0, 3)]
+    store.record_state("gw4", "plant1", state("gw4", "online", seq=0), T0)
+    assert store.gaps("gw4") == []
+
+
+# -- queries ---------------------------------------------------------------------------------
+
+
+def test_telemetry_since_and_limit_newest_last(store: Store) -> None:
+    store.ingest([telemetry("gw1", s) for s in range(1, 21)] + [telemetry("gw2", 1)])
+    store.ingest([decision("gw1", 21)])
+    got = store.telemetry("gw1", limit=5)
+    assert [seq for _, seq, _, _ in got] == [16, 17, 18, 19, 20]
+    assert [t for t, _, _, _ in got] == [T0 + s * SEC for s in range(16, 21)]
+    since = store.telemetry("gw1", since_ns=T0 + 18 * SEC)
+    assert [seq for _, seq, _, _ in since] == [18, 19, 20]
+    assert len(store.telemetry("gw1")) == 20
+    assert store.telemetry("gw1", limit=0) == []
+    assert store.telemetry("nobody") == []
+    with pytest.raises(FleetStoreError, match="limit"):
+        store.telemetry("gw1", limit=-1)
+
+
+def test_decisions_filters(store: Store) -> None:
+    store.ingest(
+        [
+            decision("gw1", 1, label="normal"),
+            decision("gw1", 2, label="bearing_fault"),
+            decision("gw2", 3, label="bearing_fault"),
+            decision("gw2", 4, label="normal"),
+            telemetry("gw1", 5),
+        ]
+    )
+    every = store.decisions()
+    assert [(d, s) for d, _, s, _ in every] == [("gw1", 1), ("gw1", 2), ("gw2", 3), ("gw2", 4)]
+    assert every[1][3] == decision("gw1", 2, label="bearing_fault").body
+    faults = store.decisions(label="bearing_fault")
+    assert [(d, s) for d, _, s, _ in faults] == [("gw1", 2), ("gw2", 3)]
+    assert [s for _, _, s, _ in store.decisions(device="gw2")] == [3, 4]
+    assert [s for _, _, s, _ in store.decisions(device="gw2", label="normal")] == [4]
+    assert [s for _, _, s, _ in store.decisions(since_ns=T0 + 3 * SEC)] == [3, 4]
+    assert [s for _, _, s, _ in store.decisions(limit=2)] == [3, 4]
+    assert store.decisions(label="nothing") == []
+
+
+def test_counts(store: Store) -> None:
+    assert store.counts() == {
+        "telemetry": 0,
+        "decision": 0,
+        "ota/status": 0,
+        "quarantined": 0,
+        "devices": 0,
+    }
+    ota = Row("gw1", "plant1", "ota/status", BOOT_A, 9, T0, b'{"state":"staged"}', T0)
+    store.ingest([telemetry("gw1", 1), telemetry("gw1", 2), decision("gw1", 3), ota])
+    store.ingest([telemetry("gw2", 1)])
+    store.register_device("gw3", "plant1")
+    store.quarantine([Quarantined("t", b"x", "r", "$", T0, None)])
+    assert store.counts() == {
+        "telemetry": 3,
+        "decision": 1,
+        "ota/status": 1,
+        "quarantined": 1,
+        "devices": 3,
+    }
+
+
+def test_postgres_store_reconnects_after_the_connection_drops(backend: Backend) -> None:
+    if backend.name != "postgresql":
+        # SQLite has no connection to lose; the same calls must simply keep working.
+        s = backend.open()
+        assert s.ingest([telemetry("gw1", 1)]).inserted == 1
+        s.close()
+        return
+    s = backend.open()
+    assert s.ingest([telemetry("gw1", 1)]).inserted == 1
+    killed = backend.sql(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        "WHERE application_name = %s AND pid <> pg_backend_pid()",
+        (backend.app,),
+    )
+    assert killed == [(True,)]
+    # The idle connection died: the next call reconnects on its own and succeeds.
+    assert s.ingest([telemetry("gw1", 1), telemetry("gw1", 2)]) == IngestResult(1, 1)
+    assert s.counts()["telemetry"] == 2
+    s.close()
