@@ -1,10 +1,41 @@
-"""``fleet``: the control-room CLI. Device, telemetry and rollout commands arrive with the
-fleet issues; until then it reports its version so packaging and the console script are
-exercised end to end."""
+"""``fleet``: the control-room CLI.
+
+Every command reads the store named by ``--store`` or the environment variable
+``FLEET_STORE``; the default is the SQLite file ``fleet.db`` in the current directory. A
+URL is ``sqlite:///abs/path.db`` or ``postgresql://user@host:5432/db``; a bare path is taken
+as a SQLite file. Listings print a table for people and, with ``--json``, JSON for scripts
+(one document; ``telemetry tail --follow --json`` prints one JSON object per line).
+Diagnostics go to stderr. Exit codes: 0 ok, 1 not found / nothing to do, 2 bad usage,
+3 store or broker failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
 from edge_agent import __version__
+from fleet.errors import FleetError, IngestError
+from fleet.pki_cli import broker_config_cmd, pki_app
+from fleet.store import DeviceInfo, Gap, Store, open_store
+
+ENV_STORE = "FLEET_STORE"
+ENV_MQTT_PASSWORD = "FLEET_MQTT_PASSWORD"  # noqa: S105 - a variable name, not a secret
+EXIT_NOT_FOUND = 1
+EXIT_USAGE = 2
+EXIT_FAILURE = 3
 
 app = typer.Typer(
     name="fleet",
@@ -13,6 +44,437 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+devices_app = typer.Typer(help="The device registry.", no_args_is_help=True)
+telemetry_app = typer.Typer(help="Stored telemetry.", no_args_is_help=True)
+decisions_app = typer.Typer(help="Stored decisions.", no_args_is_help=True)
+quarantine_app = typer.Typer(help="Messages the ingest refused.", no_args_is_help=True)
+app.add_typer(devices_app, name="devices")
+app.add_typer(telemetry_app, name="telemetry")
+app.add_typer(decisions_app, name="decisions")
+app.add_typer(quarantine_app, name="quarantine")
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False)
+
+StoreOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--store",
+        envvar=ENV_STORE,
+        help="Store URL (sqlite:///abs/path.db, postgresql://...) or a SQLite file path "
+        "[default: ./fleet.db]",
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    err.print(f"fleet: {message}", markup=False)
+    raise typer.Exit(code)
+
+
+def store_url(value: str | None) -> str:
+    """``--store`` / ``FLEET_STORE`` as a URL; a bare path is a SQLite file (made absolute)."""
+    if not value:
+        value = "fleet.db"
+    if "://" in value:
+        return value
+    return f"sqlite://{Path(value).expanduser().resolve()}"
+
+
+def _open(value: str | None) -> Store:
+    try:
+        store = open_store(store_url(value))
+        store.migrate()
+    except FleetError as exc:
+        _fail(str(exc), EXIT_FAILURE)
+    return store
+
+
+_UNITS_NS = {"s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9, "d": 86400 * 10**9}
+_AGO = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+
+
+def parse_since(text: str, now_ns: int) -> int:
+    """``10m`` / ``2h`` / ``1d`` / ``30s`` ago, an ISO 8601 time (naive = UTC) or UNIX ns."""
+    text = text.strip()
+    m = _AGO.match(text)
+    if m:
+        return now_ns - int(float(m.group(1)) * _UNITS_NS[m.group(2)])
+    if text.isdigit():
+        return int(text)
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise typer.BadParameter(
+            f"{text!r}: expected a duration ago (30s, 10m, 2h, 1d), an ISO 8601 time "
+            "(2026-12-02T13:00:00Z) or UNIX nanoseconds"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return int(when.timestamp()) * 10**9 + when.microsecond * 1000
+
+
+def _iso(t_ns: int | None) -> str:
+    if t_ns is None:
+        return "-"
+    return datetime.fromtimestamp(t_ns / 1e9, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+
+
+def _body(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace")
+
+
+def _device_dict(d: DeviceInfo) -> dict[str, Any]:
+    return {
+        "device": d.device,
+        "site": d.site,
+        "device_type": d.device_type,
+        "online": d.online,
+        "last_seen_ns": d.last_seen_ns,
+        "boot_id": d.boot_id,
+        "agent_version": d.agent_version,
+        "model_sha256": d.model_sha256,
+        "first_seen_ns": d.first_seen_ns,
+        "last_seq": d.last_seq,
+        "latency_ms": d.latency_ms,
+    }
+
+
+def _print_json(value: Any) -> None:
+    # print, not rich: a pipe must get the JSON verbatim (no wrapping, no markup).
+    print(json.dumps(value, indent=None, separators=(",", ":")))
+
+
+# --- serve ---------------------------------------------------------------------------------
+
+
+@app.command()
+def serve(
+    store: StoreOpt = None,
+    broker: Annotated[str, typer.Option(help="MQTT broker host:port.")] = "127.0.0.1:1883",
+    workers: Annotated[int, typer.Option(min=1, max=64, help="Ingest workers.")] = 1,
+    auto_register: Annotated[
+        bool,
+        typer.Option(
+            "--auto-register/--no-auto-register",
+            help="Add unknown devices to the registry (else quarantine their messages).",
+        ),
+    ] = True,
+    duration: Annotated[
+        float | None, typer.Option(help="Stop after this many seconds (default: run forever).")
+    ] = None,
+    group: Annotated[str, typer.Option(help="Shared-subscription group.")] = "ingest",
+    client_id: Annotated[
+        str,
+        typer.Option(help="Stable MQTT client id (persistent session) [default: host-based]."),
+    ] = "",
+    batch_max: Annotated[int, typer.Option(help="Messages per store transaction.")] = 500,
+    batch_ms: Annotated[int, typer.Option(help="Longest wait to fill a batch (ms).")] = 50,
+    username: Annotated[str | None, typer.Option(help="MQTT user name.")] = None,
+    password_env: Annotated[
+        str, typer.Option(help="Environment variable holding the MQTT password.")
+    ] = ENV_MQTT_PASSWORD,
+    tls_ca: Annotated[Path | None, typer.Option(help="CA bundle to verify the broker.")] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="Client certificate (PEM).")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Client key (PEM).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Ingest devices' MQTT uplink into the store until stopped (SIGTERM / Ctrl-C)."""
+    # Imported on use: the read-only commands never load paho.
+    from fleet.ingest import IngestConfig, parse_broker  # noqa: PLC0415
+    from fleet.ingest import serve as run  # noqa: PLC0415
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        host, port = parse_broker(broker)
+        config = IngestConfig(
+            store_url=store_url(store),
+            broker_host=host,
+            broker_port=port,
+            group=group,
+            client_id=client_id,
+            auto_register=auto_register,
+            batch_max=batch_max,
+            batch_ms=batch_ms,
+            username=username,
+            password=os.environ.get(password_env) if username else None,
+            tls_ca=str(tls_ca) if tls_ca else None,
+            tls_cert=str(tls_cert) if tls_cert else None,
+            tls_key=str(tls_key) if tls_key else None,
+        )
+    except IngestError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        stats = run(config, workers=workers, duration=duration, stop=stop)
+    except FleetError as exc:
+        _fail(str(exc), EXIT_FAILURE)
+    per_worker = [s.as_dict() for s in stats]
+    if as_json:
+        _print_json({"workers": per_worker})
+        return
+    for i, s in enumerate(per_worker):
+        q = sum(s["quarantined"].values())
+        err.print(
+            f"worker {i}: received {s['received']}, stored {s['stored']}, duplicates "
+            f"{s['duplicates']}, quarantined {q}, batches {s['batches']}, dropped {s['dropped']}",
+            markup=False,
+        )
+
+
+# --- devices -------------------------------------------------------------------------------
+
+
+@devices_app.command("list")
+def devices_list(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
+    """Every registered device with its online state and last contact."""
+    st = _open(store)
+    try:
+        devs = st.devices()
+    finally:
+        st.close()
+    if as_json:
+        _print_json([_device_dict(d) for d in devs])
+        return
+    table = Table("device", "site", "type", "state", "last seen (UTC)", "boot", "last seq")
+    for d in devs:
+        table.add_row(
+            d.device,
+            d.site,
+            d.device_type,
+            "[green]online[/]" if d.online else "[red]offline[/]",
+            _iso(d.last_seen_ns),
+            (d.boot_id or "-")[:8],
+            "-" if d.last_seq is None else str(d.last_seq),
+        )
+    out.print(table)
+
+
+@devices_app.command("show")
+def devices_show(device: str, store: StoreOpt = None, as_json: JsonOpt = False) -> None:
+    """One device in detail: versions, boot, stage latencies, gaps."""
+    st = _open(store)
+    try:
+        d = st.device(device)
+        gaps = st.gaps(device) if d is not None else []
+    finally:
+        st.close()
+    if d is None:
+        _fail(f"no device {device!r} in the registry", EXIT_NOT_FOUND)
+    info = _device_dict(d)
+    info["gaps"] = [_gap_dict(g) for g in gaps]
+    if as_json:
+        _print_json(info)
+        return
+    table = Table(show_header=False)
+    for key in ("device", "site", "device_type", "agent_version", "model_sha256", "boot_id"):
+        table.add_row(key, str(info[key] or "-"))
+    table.add_row("state", "online" if d.online else "offline")
+    table.add_row("first seen (UTC)", _iso(d.first_seen_ns))
+    table.add_row("last seen (UTC)", _iso(d.last_seen_ns))
+    table.add_row("last seq", "-" if d.last_seq is None else str(d.last_seq))
+    for stage, ms in sorted(d.latency_ms.items()):
+        table.add_row(f"latency {stage}", f"{ms:.2f} ms")
+    table.add_row("gaps", ", ".join(f"{g.first_missing}..{g.last_missing}" for g in gaps) or "-")
+    out.print(table)
+
+
+# --- telemetry -----------------------------------------------------------------------------
+
+
+def _telemetry_table(rows: list[tuple[int, int, str, bytes]]) -> Table:
+    table = Table("t (UTC)", "seq", "boot", "signals (last)")
+    for t_ns, seq, boot_id, body in rows:
+        parsed = _body(body)
+        signals = parsed.get("signals", {}) if isinstance(parsed, dict) else {}
+        text = " ".join(
+            f"{name}={stats[3]:g}"
+            for name, stats in sorted(signals.items())
+            if isinstance(stats, list) and len(stats) == 5
+        )
+        table.add_row(_iso(t_ns), str(seq), boot_id[:8], text)
+    return table
+
+
+@telemetry_app.command("tail")
+def telemetry_tail(
+    device: str,
+    store: StoreOpt = None,
+    limit: Annotated[int, typer.Option(min=1, max=100_000, help="Messages to show.")] = 20,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new ones.")] = (
+        False
+    ),
+    interval: Annotated[float, typer.Option(help="Poll interval with --follow (s).")] = 1.0,
+    follow_for: Annotated[
+        float | None, typer.Option(help="Stop following after this many seconds.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The newest telemetry of DEVICE, oldest first; --follow polls for more."""
+    st = _open(store)
+    try:
+        if st.device(device) is None:
+            _fail(f"no device {device!r} in the registry", EXIT_NOT_FOUND)
+        rows = st.telemetry(device, limit=limit)
+        if as_json and not follow:
+            _print_json(
+                [{"t_ns": t, "seq": s, "boot_id": b, "body": _body(body)} for t, s, b, body in rows]
+            )
+            return
+        _emit_telemetry(rows, as_json)
+        if not follow:
+            return
+        seen = {(b, s) for _, s, b, _ in rows}
+        since = rows[-1][0] if rows else None
+        deadline = None if follow_for is None else time.monotonic() + follow_for
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(interval)
+            fresh = [
+                r
+                for r in st.telemetry(device, since_ns=since, limit=10_000)
+                if (r[2], r[1]) not in seen
+            ]
+            if fresh:
+                seen.update((b, s) for _, s, b, _ in fresh)
+                since = max(since or 0, fresh[-1][0])
+                _emit_telemetry(fresh, as_json)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        st.close()
+
+
+def _emit_telemetry(rows: list[tuple[int, int, str, bytes]], as_json: bool) -> None:
+    if as_json:
+        for t, s, b, body in rows:
+            _print_json({"t_ns": t, "seq": s, "boot_id": b, "body": _body(body)})
+    elif rows:
+        out.print(_telemetry_table(rows))
+
+
+# --- decisions -----------------------------------------------------------------------------
+
+
+@decisions_app.command("list")
+def decisions_list(
+    store: StoreOpt = None,
+    since: Annotated[
+        str | None, typer.Option(help="10m, 2h, 1d ago; an ISO 8601 time; or UNIX ns.")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="Only this device.")] = None,
+    label: Annotated[str | None, typer.Option(help="Only this label.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=100_000)] = 100,
+    as_json: JsonOpt = False,
+) -> None:
+    """Stored decisions, oldest first."""
+    since_ns = parse_since(since, time.time_ns()) if since else None
+    st = _open(store)
+    try:
+        rows = st.decisions(since_ns=since_ns, device=device, label=label, limit=limit)
+    finally:
+        st.close()
+    if as_json:
+        _print_json(
+            [{"device": d, "t_ns": t, "seq": s, "body": _body(body)} for d, t, s, body in rows]
+        )
+        return
+    table = Table("t (UTC)", "device", "seq", "label", "score", "alarms", "rules")
+    for d, t, s, body in rows:
+        b = _body(body)
+        b = b if isinstance(b, dict) else {}
+        score = b.get("score")
+        table.add_row(
+            _iso(t),
+            d,
+            str(s),
+            str(b.get("label", "?")),
+            "-" if score is None else f"{score:.3f}",
+            ",".join(b.get("alarms", [])) or "-",
+            ",".join(r.get("rule", "?") for r in b.get("rules_fired", [])) or "-",
+        )
+    out.print(table)
+
+
+# --- gaps, quarantine ----------------------------------------------------------------------
+
+
+def _gap_dict(g: Gap) -> dict[str, Any]:
+    return {
+        "device": g.device,
+        "boot_id": g.boot_id,
+        "first_missing": g.first_missing,
+        "last_missing": g.last_missing,
+        "missing": g.last_missing - g.first_missing + 1,
+    }
+
+
+@app.command()
+def gaps(
+    store: StoreOpt = None,
+    device: Annotated[str | None, typer.Option(help="Only this device.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Seq ranges never stored, per device and boot."""
+    st = _open(store)
+    try:
+        found = st.gaps(device)
+    finally:
+        st.close()
+    if as_json:
+        _print_json([_gap_dict(g) for g in found])
+        return
+    table = Table("device", "boot", "first missing", "last missing", "missing")
+    for g in found:
+        table.add_row(
+            g.device,
+            g.boot_id[:8],
+            str(g.first_missing),
+            str(g.last_missing),
+            str(g.last_missing - g.first_missing + 1),
+        )
+    out.print(table)
+
+
+@quarantine_app.command("list")
+def quarantine_list(
+    store: StoreOpt = None,
+    limit: Annotated[int, typer.Option(min=1, max=100_000)] = 100,
+    as_json: JsonOpt = False,
+) -> None:
+    """The newest refused messages, newest first, with why and where."""
+    st = _open(store)
+    try:
+        items = st.quarantined(limit=limit)
+    finally:
+        st.close()
+    if as_json:
+        _print_json(
+            [
+                {
+                    "topic": q.topic,
+                    "device": q.device,
+                    "reason": q.reason,
+                    "where": q.where,
+                    "received_ns": q.received_ns,
+                    "payload": q.payload.decode("utf-8", "backslashreplace"),
+                    "payload_bytes": len(q.payload),
+                }
+                for q in items
+            ]
+        )
+        return
+    table = Table("received (UTC)", "topic", "reason", "where", "payload")
+    for q in items:
+        preview = q.payload[:60].decode("utf-8", "backslashreplace")
+        table.add_row(_iso(q.received_ns), q.topic, q.reason, q.where, preview)
+    out.print(table)
 
 
 @app.command()
@@ -26,6 +488,15 @@ def _root() -> None:
     """EdgeFleet control room."""
 
 
+# Certificates and the broker's TLS config (fleet/pki_cli.py).
+app.add_typer(pki_app, name="pki")
+app.command("broker-config")(broker_config_cmd)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -18,17 +18,23 @@ from tests.memory_support import PERIOD, POINTS, feed, random_walk, run, stage
 EXAMPLES = Path(__file__).parents[1] / "examples"
 SIG = ("voltage", "current")
 runner = CliRunner(env={"COLUMNS": "160"})
-NOW = time.time_ns() // PERIOD * PERIOD
+
+
+def now_ns() -> int:
+    """Now on the grid, taken when a store is filled: the queries below are relative to the
+    wall clock (``--since 1m``), and a module-level "now" goes stale in a long test run."""
+    return time.time_ns() // PERIOD * PERIOD
 
 
 def populated(tmp: Path, minutes: float = 2.0) -> tuple[Path, np.ndarray, int]:
     """A store with ``minutes`` of data ending about now, and one snapshot."""
     n_win = int(minutes * 60e9 / (POINTS * PERIOD))
     values = random_walk(np.random.default_rng(6), n_win, 2)
-    start = NOW - n_win * POINTS * PERIOD
+    now = now_ns()
+    start = now - n_win * POINTS * PERIOD
 
     async def main() -> None:
-        st = stage(tmp, SIG, clock=[NOW])
+        st = stage(tmp, SIG, clock=[now])
         async with st:
             feed(st, values, SIG, start_ns=start)
             await st.snapshot()

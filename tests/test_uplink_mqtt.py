@@ -189,6 +189,28 @@ def test_end_to_end_500_decisions_in_order(tmp_path: Path) -> None:
         asyncio.run(birth_only())
 
 
+def test_messages_nobody_subscribed_to_stay_until_the_fleet_subscribes(tmp_path: Path) -> None:
+    """Mosquitto 2.0 forgets shared subscriptions of persistent sessions over a restart; a
+    PUBACK "no matching subscribers" must not cost the message: it is sent again later."""
+    with mosquitto(tmp_path / "broker") as broker:
+        up = uplink(section(broker.port), tmp_path / "state")
+
+        async def main() -> None:
+            task = asyncio.create_task(up.run())
+            await until(lambda: up.stats()["connected"] is True, 10, "connect")
+            for i in range(20):
+                up.publish_decision(make_decision(i))
+            await until(lambda: up.no_subscribers >= 1, 5, "PUBACK 16")
+            assert up.stats()["outbox_rows"] == 20  # nobody got them: all kept
+            with subscriber(broker.port, "fleet-late") as sub:
+                await until(lambda: len(sub.of("decision")) >= 20, 10, "20 decisions")
+                await until(lambda: up.stats()["outbox_rows"] == 0, 5, "an empty outbox")
+                assert sorted({d.seq for d in sub.of("decision")}) == list(range(20))
+            await stop(task)
+
+        asyncio.run(main())
+
+
 def test_broker_outage_10s_every_seq_exactly_once(tmp_path: Path) -> None:
     with mosquitto(tmp_path / "broker") as broker, subscriber(broker.port) as sub:
         up = uplink(section(broker.port, replay_rate_per_s=500.0), tmp_path / "state")

@@ -81,6 +81,12 @@ class _TokenBucket:
         return max(0.0, (1.0 - self._tokens) / self.rate)
 
 
+#: MQTT 5 PUBACK reason 16: accepted, but no subscription matched.
+NO_MATCHING_SUBSCRIBERS = 16
+#: Pause before sending a row again that nobody was subscribed to.
+NO_SUBSCRIBERS_RETRY_S = 1.0
+
+
 class Uplink:
     """MQTT uplink of one device. Construct, then ``await run()`` until cancelled (once).
 
@@ -142,6 +148,9 @@ class Uplink:
         self.sent = 0
         self.acked = 0
         self.rejected: dict[str, int] = {}
+        self.no_subscribers = 0
+        self._resend_from: int | None = None
+        self._hold_until = 0.0
         self.invalid: dict[str, int] = {}
         self.queued: dict[str, int] = {}
         self.connect_attempts = 0
@@ -225,6 +234,7 @@ class Uplink:
             "dropped": ob["dropped"],
             "invalid": dict(self.invalid),
             "rejected": dict(self.rejected),
+            "no_subscribers": self.no_subscribers,
             "outbox_errors": ob["put_errors"],
             "connect_attempts": self.connect_attempts,
             "connects": self.connects,
@@ -314,7 +324,9 @@ class Uplink:
             self._to_loop(self._on_lost, c, str(rc), connack)
 
         def on_publish(c: mqtt.Client, _u: object, mid: int, rc: ReasonCode, _p: object) -> None:
-            self._to_loop(self._on_puback, c, mid, rc.is_failure, str(rc))
+            failed = rc.is_failure
+            nobody = not failed and rc.value == NO_MATCHING_SUBSCRIBERS
+            self._to_loop(self._on_puback, c, mid, failed, str(rc), nobody)
 
         def on_message(c: mqtt.Client, _u: object, msg: mqtt.MQTTMessage) -> None:
             self._to_loop(self._on_command, msg.topic, bytes(msg.payload))
@@ -347,13 +359,26 @@ class Uplink:
         self._connected = False
         self._wake.set()
 
-    def _on_puback(self, client: mqtt.Client, mid: int, failed: bool, why: str) -> None:
+    def _on_puback(
+        self, client: mqtt.Client, mid: int, failed: bool, why: str, nobody: bool = False
+    ) -> None:
         if client is not self._client:
             return  # a PUBACK of a connection we already gave up: its row is sent again
         entry = self._inflight.pop(mid, None)
         if entry is None:
             return  # a state message
         row_id, kind = entry
+        if nobody:
+            # "No matching subscribers": the broker took it but nobody will get it. The
+            # fleet's subscription can be missing for a moment (Mosquitto 2.0 does not
+            # restore shared subscriptions of persistent sessions after a restart), so the
+            # row stays and is sent again, in order, after a pause.
+            self.no_subscribers += 1
+            if self._resend_from is None or row_id < self._resend_from:
+                self._resend_from = row_id
+            self._hold_until = time.monotonic() + NO_SUBSCRIBERS_RETRY_S
+            self._wake.set()
+            return
         if failed:
             # The broker refused it (e.g. not authorised): sending it again cannot help.
             self.rejected[kind] = self.rejected.get(kind, 0) + 1
@@ -485,8 +510,18 @@ class Uplink:
             if self._acks:
                 acks, self._acks = self._acks, []
                 self.outbox.ack(acks)
+            if self._resend_from is not None:
+                self._cursor = min(self._cursor, self._resend_from - 1)
+                self._resend_from = None
             if until_idle and not self._inflight and not self.outbox.peek(self._cursor, 1):
                 return
+            hold = self._hold_until - time.monotonic()
+            if hold > 0:
+                if until_idle:
+                    return  # shutting down: the rows wait in the outbox for the next start
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), hold)
+                continue
             timeout: float | None = None
             free = max_inflight - len(self._inflight)
             if free > 0:

@@ -1,0 +1,758 @@
+"""Fleet ingest end to end: a real Mosquitto, real paho publishers, real SQLite / PostgreSQL.
+
+Publishers build messages with the wire classes (the agent's own schema). The helpers at
+the top are also used by ``tests/test_fleet_cli.py`` and ``bench/fleet_ingest.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+from typer.testing import CliRunner
+
+from fleet.cli import app
+from fleet.errors import IngestError, MessageRefused
+from fleet.ingest import IngestConfig, IngestStats, IngestWorker, check_message, parse_broker, serve
+from fleet.store import Store, open_store
+from tests.mqtt_broker import Mosquitto, mosquitto
+from tests.pg import pg_url
+from wire import (
+    MAX_PAYLOAD_BYTES,
+    DecisionMsg,
+    OtaStatusMsg,
+    SignalStats,
+    StateMsg,
+    TelemetryMsg,
+    encode,
+    topic,
+)
+from wire.messages import ModelRef, RuleFired, TopSignal, WindowRef
+
+REPO = Path(__file__).resolve().parents[1]
+SITE = "plant1"
+
+# --- helpers (shared with test_fleet_cli and bench/fleet_ingest) ---------------------------
+
+
+def boot_id() -> str:
+    return uuid.uuid4().hex
+
+
+def telemetry(device: str, boot: str, seq: int, t_ns: int | None = None) -> TelemetryMsg:
+    return TelemetryMsg(
+        device=device,
+        boot_id=boot,
+        seq=seq,
+        t_ns=t_ns if t_ns is not None else time.time_ns(),
+        period_ns=1_000_000_000,
+        keyframe=seq % 10 == 0,
+        signals={
+            "motor_rpm": SignalStats(1500.0 + seq, 1400.0, 1600.0, 1501.0 + seq, 10),
+            "temp_c": SignalStats(40.5, 40.0, 41.0, 40.7, 10),
+        },
+    )
+
+
+def decision(
+    device: str, boot: str, seq: int, t_ns: int | None = None, label: str = "normal"
+) -> DecisionMsg:
+    return DecisionMsg(
+        device=device,
+        boot_id=boot,
+        seq=seq,
+        t_ns=t_ns if t_ns is not None else time.time_ns(),
+        trace_id=uuid.uuid4().hex,
+        window=WindowRef(seq=seq, start_ns=1),
+        model=ModelRef(sha256="a" * 64, version="1.0.0", ran=True),
+        label=label,
+        score=0.25,
+        probabilities={"normal": 0.75, "bearing_fault": 0.25},
+        alarms=["overheat"] if label != "normal" else [],
+        raised=[],
+        cleared=[],
+        rules_fired=[RuleFired(rule="temp_high", reason="temp_c > 40")],
+        top_signals=[TopSignal(signal="temp_c", contribution=0.5)],
+        attribution="gradient",
+        degraded=False,
+        mode="normal",
+        stage_latency_ms={"perception": 1.5, "reasoning": 0.25, "rules": None},
+    )
+
+
+def ota_status(device: str, boot: str, seq: int) -> OtaStatusMsg:
+    return OtaStatusMsg(
+        device=device, boot_id=boot, seq=seq, t_ns=time.time_ns(), bundle_id="b1", state="staged"
+    )
+
+
+def state(
+    device: str, boot: str, seq: int, *, online: bool = True, clean: bool = True, site: str = SITE
+) -> StateMsg:
+    return StateMsg(
+        device=device,
+        boot_id=boot,
+        seq=seq,
+        t_ns=time.time_ns(),
+        state="online" if online else "offline",
+        clean=clean,
+        site=site,
+        device_type="gateway",
+        agent_version="0.1.0",
+        model_sha256="b" * 64,
+    )
+
+
+_KIND = {TelemetryMsg: "telemetry", DecisionMsg: "decision", OtaStatusMsg: "ota/status"}
+
+
+def topic_of(msg: TelemetryMsg | DecisionMsg | OtaStatusMsg | StateMsg) -> str:
+    if isinstance(msg, StateMsg):
+        return topic(msg.site, msg.device, "state")
+    return topic(SITE, msg.device, _KIND[type(msg)])
+
+
+class Publisher:
+    """A device-side paho client (MQTT v5, QoS 1); ``flush`` waits for every PUBACK.
+
+    Publishing while the broker is away queues in paho and goes out after the reconnect.
+    """
+
+    def __init__(
+        self, host: str, port: int, client_id: str = "", reconnect_s: tuple[int, int] = (1, 2)
+    ) -> None:
+        self.client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=client_id or f"pub-{uuid.uuid4().hex[:8]}",
+            protocol=mqtt.MQTTv5,
+        )
+        self.client.max_inflight_messages_set(200)
+        self.client.reconnect_delay_set(*reconnect_s)
+        self._lock = threading.Lock()
+        self.sent: list[int] = []
+        self.acked: set[int] = set()
+        self.client.on_publish = self._on_publish
+        self.client.connect(host, port)
+        self.client.loop_start()
+
+    def _on_publish(
+        self,
+        client: mqtt.Client,
+        userdata: object,
+        mid: int,
+        reason_code: ReasonCode,
+        properties: Properties,
+    ) -> None:
+        with self._lock:
+            self.acked.add(mid)
+
+    def publish(self, topic_name: str, payload: bytes, *, retain: bool = False) -> None:
+        info = self.client.publish(topic_name, payload, qos=1, retain=retain)
+        with self._lock:
+            self.sent.append(info.mid)
+
+    def send(
+        self, msg: TelemetryMsg | DecisionMsg | OtaStatusMsg | StateMsg, *, retain: bool = False
+    ) -> None:
+        self.publish(topic_of(msg), encode(msg), retain=retain)
+
+    def flush(self, timeout: float = 60.0) -> None:
+        def done() -> bool:
+            with self._lock:
+                return all(m in self.acked for m in self.sent)
+
+        wait_until(done, timeout, "PUBACKs for every published message")
+        with self._lock:
+            self.sent.clear()
+            self.acked.clear()
+
+    def close(self) -> None:
+        self.flush()
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def probe_until_stored(pub: Publisher, store: Store, msg: StateMsg, timeout: float) -> None:
+    """Publish ``msg`` (a birth) until the store knows its device: the ingest is subscribed."""
+
+    def known() -> bool:
+        pub.send(msg, retain=True)
+        pub.flush()
+        return store.device(msg.device) is not None
+
+    wait_until(known, timeout, f"the ingest to store {msg.device}'s birth")
+
+
+def sqlite_url(path: Path) -> str:
+    return f"sqlite://{path.resolve()}"
+
+
+def make_worker(broker: Mosquitto, url: str, client_id: str = "w1", **kw: Any) -> IngestWorker:
+    return IngestWorker(
+        IngestConfig(
+            store_url=url,
+            broker_host=broker.host,
+            broker_port=broker.port,
+            client_id=client_id,
+            batch_ms=20,
+            **kw,
+        )
+    )
+
+
+def opened(url: str) -> Store:
+    store = open_store(url)
+    store.migrate()
+    return store
+
+
+def stored_seqs(store: Store, device: str) -> list[int]:
+    """Every data seq stored for ``device`` (telemetry, decisions), sorted."""
+    seqs = [r[1] for r in store.telemetry(device, limit=100_000)]
+    seqs += [r[2] for r in store.decisions(device=device, limit=100_000)]
+    return sorted(seqs)
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[Mosquitto]:
+    with mosquitto(tmp_path / "broker") as b:
+        yield b
+
+
+# --- pure parts ----------------------------------------------------------------------------
+
+
+def test_parse_broker() -> None:
+    assert parse_broker("mq.example:8883") == ("mq.example", 8883)
+    assert parse_broker("localhost") == ("localhost", 1883)
+    assert parse_broker("[::1]:1884") == ("::1", 1884)
+    with pytest.raises(IngestError, match="not a number"):
+        parse_broker("host:abc")
+    with pytest.raises(IngestError, match="out of range"):
+        parse_broker("host:70000")
+
+
+def test_config_hides_password_and_checks_limits() -> None:
+    cfg = IngestConfig(store_url="sqlite:///x.db", username="u", password="s3cret")
+    assert "s3cret" not in repr(cfg)
+    with pytest.raises(IngestError, match="queue_max"):
+        IngestConfig(store_url="sqlite:///x.db", queue_max=70_000)
+
+
+def test_check_message_refuses_what_the_subscription_cannot_deliver() -> None:
+    # Kinds outside the subscription (a command, an unknown kind) still get a clear refusal.
+    payload = encode(telemetry("gw-1", boot_id(), 1))
+    for bad in ("edgefleet/v1/plant1/gw-1/cmd/ota", "edgefleet/v1/plant1/gw-1/nope", "x/y"):
+        with pytest.raises(MessageRefused, match="is not an uplink topic") as info:
+            check_message(bad, payload)
+        assert info.value.cls == "topic"
+    parsed, msg = check_message(topic(SITE, "gw-1", "telemetry"), payload)
+    assert parsed.device == "gw-1"
+    assert isinstance(msg, TelemetryMsg)
+
+
+# --- broker -> worker -> store -------------------------------------------------------------
+
+
+def test_messages_reach_the_store_with_seq_continuity(tmp_path: Path, broker: Mosquitto) -> None:
+    url = sqlite_url(tmp_path / "fleet.db")
+    devices = {f"gw-{i}": boot_id() for i in range(3)}
+    sent: dict[str, bytes] = {}
+    with make_worker(broker, url) as worker:
+        assert worker.wait_ready(10)
+        pub = Publisher(broker.host, broker.port)
+        for dev, boot in devices.items():
+            pub.send(state(dev, boot, 0), retain=True)
+        n = 150
+        for seq in range(n):
+            for dev, boot in devices.items():
+                msg: TelemetryMsg | DecisionMsg = (
+                    decision(dev, boot, seq, label="overheat" if seq == 50 else "normal")
+                    if seq % 10 == 0
+                    else telemetry(dev, boot, seq)
+                )
+                sent[f"{dev}/{seq}"] = encode(msg)
+                pub.send(msg)
+        pub.close()
+        wait_until(lambda: worker.stats.stored == n * len(devices), 30, "all rows stored")
+    stats = worker.stats
+    assert stats.states == len(devices)
+    assert stats.duplicates == 0
+    assert sum(stats.quarantined.values()) == 0
+    assert stats.acked == stats.received
+    store = opened(url)
+    try:
+        for dev, boot in devices.items():
+            assert stored_seqs(store, dev) == list(range(n))
+            info = store.device(dev)
+            assert info is not None
+            assert info.online
+            assert info.boot_id == boot
+            assert info.site == SITE
+            assert info.agent_version == "0.1.0"
+            assert info.last_seq == n - 1
+            assert info.latency_ms == {"perception": 1.5, "reasoning": 0.25}
+            rows = store.telemetry(dev, limit=3)
+            # Stored byte for byte as published, newest last.
+            assert [r[1] for r in rows] == [147, 148, 149]
+            assert rows[-1][3] == sent[f"{dev}/149"]
+        assert store.gaps() == []
+        overheat = store.decisions(label="overheat")
+        assert sorted(d for d, *_ in overheat) == sorted(devices)
+    finally:
+        store.close()
+
+
+def _malformed(boot: str) -> list[tuple[str, str, bytes, str, str]]:
+    """(name, topic, payload, reason substring, reason class): every way a message is wrong."""
+    t = topic(SITE, "gw-1", "telemetry")
+    good: dict[str, Any] = msgspec.to_builtins(telemetry("gw-1", boot, 10_000))
+
+    def mut(**changes: Any) -> bytes:
+        d = dict(good)
+        for k, v in changes.items():
+            if v is ...:
+                del d[k]
+            else:
+                d[k] = v
+        return json.dumps(d).encode()
+
+    deep = b"[" * 20_000 + b"]" * 20_000
+    valid_json = mut()
+    cases = [
+        ("non_json", t, b"hello world", "not a JSON object", "schema"),
+        ("json_array", t, b"[1, 2, 3]", "Expected `object`, got `array`", "schema"),
+        ("json_string", t, b'"telemetry"', "Expected `object`, got `str`", "schema"),
+        ("device_int", t, mut(device=7), "Expected `str`, got `int`", "schema"),
+        ("boot_id_int", t, mut(boot_id=12), "Expected `str`, got `int`", "schema"),
+        ("seq_str", t, mut(seq="5"), "Expected `int`, got `str`", "schema"),
+        ("t_ns_null", t, mut(t_ns=None), "Expected `int`, got `null`", "schema"),
+        ("unknown_field", t, mut(extra=1), "unknown field `extra`", "schema"),
+        (
+            "oversize",
+            t,
+            valid_json + b" " * MAX_PAYLOAD_BYTES,
+            f"expected at most {MAX_PAYLOAD_BYTES}",
+            "schema",
+        ),
+        ("nan", t, valid_json.replace(b'"t_ns": ', b'"t_ns": NaN, "x": '), "malformed", "schema"),
+        ("bad_boot_id", t, mut(boot_id="not-hex"), "matching regex", "schema"),
+        ("negative_seq", t, mut(seq=-1), "Expected `int` >= 0", "schema"),
+        ("device_mismatch", t, mut(device="gw-2"), "does not match topic", "device_mismatch"),
+        (
+            "bad_topic",
+            "edgefleet/v1/bad site!/gw-1/telemetry",
+            mut(seq=20_000),
+            "is not an uplink topic",
+            "topic",
+        ),
+        (
+            "unknown_device",
+            topic(SITE, "gw-9", "telemetry"),
+            encode(telemetry("gw-9", boot, 1)),
+            "unknown device 'gw-9'",
+            "unknown_device",
+        ),
+        ("bad_utf8", t, valid_json.replace(b'"gw-1"', b'"gw-\xff"'), "UTF-8", "schema"),
+        ("empty", t, b"", "truncated", "schema"),
+        (
+            "deep_nesting",
+            t,
+            valid_json.replace(b'"keyframe": true', b'"keyframe": ' + deep),
+            "Expected `bool`",
+            "schema",
+        ),
+        ("bool_for_int", t, mut(seq=True), "Expected `int`, got `bool`", "schema"),
+        ("float_seq", t, mut(seq=5.0), "Expected `int`, got `float`", "schema"),
+        ("missing_field", t, mut(t_ns=...), "missing required field `t_ns`", "schema"),
+        ("stats_arity", t, mut(signals={"a": [1, 2, 3]}), "length 5, got 3", "schema"),
+        ("huge_number", t, mut(seq=2**64), "<= 9223372036854775807", "schema"),
+        (
+            "infinite_float",
+            t,
+            mut(signals={"a": [1e308, 0, 0, 0, 1]}).replace(b"1e+308", b"1e999"),
+            "out of range",
+            "schema",
+        ),
+        ("period_zero", t, mut(period_ns=0), "Expected `int` >= 1", "schema"),
+        ("signals_array", t, mut(signals=[1, 2]), "Expected `object`, got `array`", "schema"),
+        (
+            "state_bad_enum",
+            topic(SITE, "gw-1", "state"),
+            json.dumps(
+                {**msgspec.to_builtins(state("gw-1", boot, 0)), "state": "sleeping"}
+            ).encode(),
+            "Invalid enum value 'sleeping'",
+            "schema",
+        ),
+        (
+            "state_site_mismatch",
+            topic(SITE, "gw-1", "state"),
+            encode(state("gw-1", boot, 0, site="elsewhere")),
+            "site in payload 'elsewhere' does not match",
+            "device_mismatch",
+        ),
+        (
+            "telemetry_on_decision_topic",
+            topic(SITE, "gw-1", "decision"),
+            valid_json,
+            "unknown field",
+            "schema",
+        ),
+    ]
+    payloads = [c[2] for c in cases]
+    assert len(set(payloads)) == len(payloads), "each case must be distinct"
+    return cases
+
+
+def test_malformed_messages_are_quarantined_and_valid_ones_stored(
+    tmp_path: Path, broker: Mosquitto
+) -> None:
+    url = sqlite_url(tmp_path / "fleet.db")
+    boot = boot_id()
+    setup = opened(url)
+    setup.register_device("gw-1", SITE, "gateway")
+    setup.register_device("gw-2", SITE, "gateway")
+    setup.close()
+    cases = _malformed(boot)
+    assert len(cases) >= 20
+    with make_worker(broker, url, auto_register=False) as worker:
+        assert worker.wait_ready(10)
+        pub = Publisher(broker.host, broker.port)
+        seq = 0  # data seqs start at 0 at every boot
+        for _, t, payload, _, _ in cases:
+            pub.send(telemetry("gw-1", boot, seq))
+            pub.publish(t, payload)
+            seq += 1
+        pub.send(telemetry("gw-1", boot, seq))
+        seq += 1  # now: how many valid messages were sent
+        pub.close()
+        wait_until(
+            lambda: (
+                worker.stats.received == len(cases) + seq
+                and worker.stats.acked == worker.stats.received
+            ),
+            30,
+            "every message handled",
+        )
+    stats = worker.stats
+    assert stats.stored == seq
+    expected_classes: dict[str, int] = {}
+    for *_, cls in cases:
+        expected_classes[cls] = expected_classes.get(cls, 0) + 1
+    assert {k: v for k, v in stats.quarantined.items() if v} == expected_classes
+    store = opened(url)
+    try:
+        assert stored_seqs(store, "gw-1") == list(range(seq))
+        assert store.gaps("gw-1") == []
+        assert store.device("gw-9") is None, "auto-registration is off"
+        held = store.quarantined(limit=1000)
+        assert len(held) == len(cases)
+        by_payload = {q.payload: q for q in held}
+        for name, t, payload, reason, _ in cases:
+            q = by_payload.get(payload[:4096])
+            assert q is not None, f"{name} not quarantined"
+            assert reason in q.reason, f"{name}: {q.reason!r}"
+            assert q.topic == t
+            if name != "bad_topic":
+                assert q.device in ("gw-1", "gw-9"), name
+        mismatch = by_payload[cases[12][2]]
+        assert mismatch.where == "$.device"
+        assert by_payload[cases[5][2]].where == "$.seq"
+        assert all(len(q.payload) <= 4096 for q in held)
+    finally:
+        store.close()
+
+
+def test_two_workers_share_the_stream_without_loss_or_duplicates(
+    tmp_path: Path, broker: Mosquitto
+) -> None:
+    url = sqlite_url(tmp_path / "fleet.db")
+    opened(url).close()
+    devices = {f"gw-{i}": boot_id() for i in range(20)}
+    per_device = 60
+    total = per_device * len(devices)
+    w1 = make_worker(broker, url, "w1", migrate=False)
+    w2 = make_worker(broker, url, "w2", migrate=False)
+    with w1, w2:
+        assert w1.wait_ready(10)
+        assert w2.wait_ready(10)
+        pub = Publisher(broker.host, broker.port)
+        for seq in range(per_device):
+            for dev, boot in devices.items():
+                pub.send(telemetry(dev, boot, seq))
+        pub.close()
+        wait_until(
+            lambda: w1.stats.stored + w2.stats.stored == total, 30, "both workers' share stored"
+        )
+    assert w1.stats.duplicates + w2.stats.duplicates == 0
+    for w in (w1, w2):
+        assert w.stats.stored > total * 0.10, f"{w.client_id} got {w.stats.stored} of {total}"
+    store = opened(url)
+    try:
+        assert store.counts()["telemetry"] == total
+        for dev in devices:
+            assert stored_seqs(store, dev) == list(range(per_device))
+        assert store.gaps() == []
+    finally:
+        store.close()
+
+
+def _serve_cmd(url: str, broker: Mosquitto, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "fleet.cli",
+        "serve",
+        "--store",
+        url,
+        "--broker",
+        f"{broker.host}:{broker.port}",
+        "--client-id",
+        "ingest-kill",
+        "--batch-ms",
+        "20",
+        *extra,
+    ]
+
+
+def test_killed_worker_loses_nothing_after_restart(tmp_path: Path, broker: Mosquitto) -> None:
+    url = sqlite_url(tmp_path / "fleet.db")
+    store = opened(url)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(_serve_cmd(url, broker), cwd=REPO, env=env, stderr=subprocess.PIPE)
+    try:
+        pub = Publisher(broker.host, broker.port)
+        boot = boot_id()
+        # The birth doubles as the readiness probe: stored once the worker is subscribed.
+        probe_until_stored(pub, store, state("gw-1", boot, 0), 30)
+        total = 3000
+
+        def stream() -> None:
+            for seq in range(total):
+                pub.send(telemetry("gw-1", boot, seq))
+                if seq % 10 == 0:
+                    time.sleep(0.005)
+
+        sender = threading.Thread(target=stream)
+        sender.start()
+        wait_until(lambda: store.counts()["telemetry"] >= 300, 30, "some rows stored")
+        proc.send_signal(signal.SIGKILL)  # mid-stream: no flush, no ack, no DISCONNECT
+        proc.wait(10)
+        before = store.counts()["telemetry"]
+        sender.join()
+        pub.close()  # every message is at the broker, queued for the dead worker's session
+        assert before < total, "the worker must die mid-stream"
+        proc = subprocess.Popen(
+            [*_serve_cmd(url, broker), "--json"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        wait_until(lambda: store.counts()["telemetry"] == total, 60, "every row stored")
+        proc.send_signal(signal.SIGTERM)
+        stdout, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0
+        (restarted,) = json.loads(stdout.splitlines()[-1])["workers"]
+        assert stored_seqs(store, "gw-1") == list(range(total))
+        assert store.gaps() == []
+        # What the killed worker had committed but not acked comes back as duplicates.
+        print(
+            f"killed after {before} rows; restarted worker stored {restarted['stored']}, "
+            f"duplicates {restarted['duplicates']}"
+        )
+        assert restarted["stored"] == total - before
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        store.close()
+
+
+def test_broker_outage_mid_stream_stores_every_message_once(
+    tmp_path: Path, broker: Mosquitto
+) -> None:
+    url = sqlite_url(tmp_path / "fleet.db")
+    boot = boot_id()
+    total = 600
+    with make_worker(broker, url) as worker:
+        assert worker.wait_ready(10)
+        pub = Publisher(broker.host, broker.port, client_id="gw-1-uplink", reconnect_s=(3, 6))
+
+        def stream() -> None:
+            for seq in range(total):
+                pub.send(telemetry("gw-1", boot, seq))
+                time.sleep(0.02)
+
+        sender = threading.Thread(target=stream)
+        sender.start()
+        time.sleep(3)
+        # SIGTERM: Mosquitto saves its persistence (sessions, queued QoS 1 messages). It does
+        # not restore shared subscriptions, though: the device reconnects after the ingest
+        # (3 s backoff vs 1 s), as agents backing off do, or what it sends first is lost.
+        broker.stop()
+        time.sleep(10)
+        broker.start()
+        sender.join()
+        pub.close()
+        wait_until(lambda: worker.stats.stored == total, 60, "every message stored")
+        time.sleep(0.5)  # let any late redelivery arrive, to be counted
+    store = opened(url)
+    try:
+        assert store.counts()["telemetry"] == total
+        assert stored_seqs(store, "gw-1") == list(range(total))
+        assert store.gaps() == []
+    finally:
+        store.close()
+    assert worker.stats.connects >= 2
+    print(f"broker outage: duplicates seen (and dropped by the store): {worker.stats.duplicates}")
+
+
+_DEVICE_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+    from tests.test_fleet_ingest import state, topic_of
+    from wire import encode
+
+    host, port, boot = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="gw-will", protocol=mqtt.MQTTv5)
+    will = state("gw-will", boot, 0, online=False, clean=False)
+    c.will_set(topic_of(will), encode(will), qos=1, retain=True)
+    c.connect(host, port, keepalive=60)
+    c.loop_start()
+    birth = state("gw-will", boot, 0)
+    c.publish(topic_of(birth), encode(birth), qos=1, retain=True).wait_for_publish(10)
+    print("ready", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_last_will_marks_a_vanished_device_offline(tmp_path: Path, broker: Mosquitto) -> None:
+    url = sqlite_url(tmp_path / "fleet.db")
+    store = opened(url)
+    with make_worker(broker, url) as worker:
+        assert worker.wait_ready(10)
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        device = subprocess.Popen(
+            [sys.executable, "-c", _DEVICE_SCRIPT, broker.host, str(broker.port), boot_id()],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert device.stdout is not None
+            assert device.stdout.readline().strip() == b"ready"
+            wait_until(
+                lambda: (d := store.device("gw-will")) is not None and d.online, 20, "online"
+            )
+            runner = CliRunner()
+            listed = runner.invoke(app, ["devices", "list", "--json", "--store", url])
+            assert json.loads(listed.stdout)[0]["online"] is True
+            device.send_signal(signal.SIGKILL)  # the socket closes without a DISCONNECT
+            device.wait(10)
+            wait_until(
+                lambda: (d := store.device("gw-will")) is not None and not d.online,
+                20,
+                "offline via the Last Will",
+            )
+        finally:
+            if device.poll() is None:
+                device.kill()
+                device.wait()
+            if device.stdout is not None:
+                device.stdout.close()
+    store.close()
+    result = CliRunner().invoke(app, ["devices", "list", "--json", "--store", url])
+    assert result.exit_code == 0, result.output
+    (listed_dev,) = json.loads(result.stdout)
+    assert listed_dev["device"] == "gw-will"
+    assert listed_dev["online"] is False
+    human = CliRunner().invoke(app, ["devices", "list", "--store", url])
+    assert "offline" in human.stdout
+    assert worker.stats.states == 2
+
+
+def test_end_to_end_on_postgresql_with_two_worker_processes(
+    tmp_path: Path, broker: Mosquitto
+) -> None:
+    url = pg_url()
+    tag = uuid.uuid4().hex[:8]
+    devices = {f"pg-{tag}-{i}": boot_id() for i in range(10)}
+    per_device = 80
+    config = IngestConfig(
+        store_url=url,
+        broker_host=broker.host,
+        broker_port=broker.port,
+        client_id=f"pg-{tag}",
+        batch_ms=20,
+    )
+    stop = threading.Event()
+    results: list[IngestStats] = []
+    runner = threading.Thread(
+        target=lambda: results.extend(serve(config, workers=2, stop=stop)), name="serve"
+    )
+    runner.start()
+    store = opened(url)
+    try:
+        pub = Publisher(broker.host, broker.port)
+        probe = next(iter(devices))
+        probe_until_stored(pub, store, state(probe, devices[probe], 0), 60)
+        # Give the second worker time to join the group before the stream starts.
+        time.sleep(2)
+        for dev, boot in devices.items():
+            pub.send(state(dev, boot, 0), retain=True)
+        for seq in range(per_device):
+            for dev, boot in devices.items():
+                pub.send(decision(dev, boot, seq) if seq % 8 == 0 else telemetry(dev, boot, seq))
+        pub.close()
+        wait_until(
+            lambda: all(len(stored_seqs(store, d)) == per_device for d in devices),
+            60,
+            "every row in PostgreSQL",
+        )
+    finally:
+        stop.set()
+        runner.join(90)
+    try:
+        for dev, boot in devices.items():
+            assert stored_seqs(store, dev) == list(range(per_device))
+            assert store.gaps(dev) == []
+            info = store.device(dev)
+            assert info is not None
+            assert info.online
+            assert info.boot_id == boot
+    finally:
+        store.close()
+    assert len(results) == 2
+    assert sum(r.stored for r in results) == per_device * len(devices)
+    assert sum(r.duplicates for r in results) == 0
+    assert all(r.stored > 0 for r in results), [r.stored for r in results]
