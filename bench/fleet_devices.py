@@ -18,7 +18,9 @@ Figures (JSON object on the last line):
 * ``msgs_expected`` = devices x seconds; ``msgs_published`` / ``msgs_acked`` (PUBACKs);
 * ``msgs_stored``: telemetry rows the store gained; ``lost`` = expected - stored;
 * ``duplicates``: messages the ingest worker got more than once (its own stats);
-* ``gaps``: seq holes the store reports for the bench's devices;
+* ``gaps`` / ``gap_msgs``: seq holes the store reports for the bench's devices (holes between
+  stored seqs only: the devices send no state watermark, so a lost head or tail of a
+  stream shows in ``lost``, not here);
 * ``publish_lag_max_ms``: how late the single bench thread sent its most delayed message
   (if this grows, the bench, not the fleet, is the bottleneck);
 * ``fleet_cpu_pct`` / ``broker_cpu_pct`` / ``bench_cpu_pct``: CPU of the ingest service (with
@@ -51,7 +53,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-from fleet.store import open_store
+from fleet.store import Store, open_store
 from tests.mqtt_broker import Mosquitto
 from wire import SignalStats, TelemetryMsg, encode, topic
 
@@ -61,6 +63,8 @@ CONNECT_TIMEOUT_S = 60.0
 ACK_WAIT_S = 30.0
 STORE_WAIT_S = 30.0
 SIGNALS = 8
+#: Descriptors besides the device sockets (store, logs, pipes, psutil's /proc reads).
+FD_MARGIN = 256
 
 
 @dataclass(eq=False)
@@ -147,6 +151,8 @@ class Fleet:
         reason_code: ReasonCode,
         properties: Properties | None,
     ) -> None:
+        if not dev.connected and dev.refused is None:
+            dev.refused = f"closed before CONNACK: {reason_code}"
         dev.connected = False
         dev.disconnects += 1
 
@@ -205,6 +211,7 @@ class Fleet:
                     dev.client.connect(self.host, self.port, keepalive=60, clean_start=True)
                 except OSError as exc:
                     self.connect_errors += 1
+                    dev.refused = f"connect: {exc}"
                     self.last_error = f"{dev.name}: {exc}"
             while time.monotonic() < deadline and not all(d.connected or d.refused for d in wave):
                 self.pump(0.05)
@@ -213,6 +220,16 @@ class Fleet:
         ):
             self.pump(0.05)
         return time.monotonic() - t0
+
+    def require_connected(self) -> None:
+        """Raise RuntimeError naming the last failure unless every device is connected."""
+        down = [d for d in self.devices if not d.connected]
+        if down:
+            why = self.last_error or next((d.refused for d in down if d.refused), None)
+            raise RuntimeError(
+                f"only {len(self.devices) - len(down)} of {len(self.devices)} devices "
+                f"connected; last error: {why or 'no CONNACK within the timeout'}"
+            )
 
     def run(self, seconds: int) -> tuple[int, float]:
         """Each device publishes once a second for ``seconds``, its phase spread over the
@@ -281,11 +298,24 @@ def _cpu_s(proc: psutil.Process, with_children: bool) -> float:
     return total
 
 
-def _raise_nofile() -> int:
-    """Soft fd limit up to the hard one (inherited by the broker and ingest): one socket
-    per device on each side."""
+def _unusual(log: str) -> str:
+    """The broker log without its one-line-per-client connect / disconnect notices."""
+    routine = ("New connection from", "New client connected", "disconnected.")
+    return "\n".join(line for line in log.splitlines() if not any(r in line for r in routine))
+
+
+def _raise_nofile(devices: int) -> int:
+    """Raise the fd limit (inherited by the broker and the ingest service): the bench and the
+    broker each hold one socket per device. Returns the soft limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
+    need = devices + FD_MARGIN
+    if hard != resource.RLIM_INFINITY and hard < need:
+        # Only a privileged process may raise the hard limit; otherwise the check below
+        # reports the shortfall before anything starts.
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, need))
+            soft, hard = need, need
+    if soft != hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
@@ -371,8 +401,15 @@ def orchestrate(devices: int, seconds: int, as_json: bool) -> int:
         if not as_json:
             print(text, flush=True)
 
-    nofile = _raise_nofile()
+    nofile = _raise_nofile(devices)
     figures: dict[str, Any] = {"devices": devices, "seconds": seconds, "rlimit_nofile": nofile}
+    if nofile != resource.RLIM_INFINITY and nofile < devices + FD_MARGIN:
+        figures["error"] = (
+            f"RLIMIT_NOFILE is {nofile}; {devices} devices need at least "
+            f"{devices + FD_MARGIN} (raise the hard limit: ulimit -Hn)"
+        )
+        print(json.dumps(figures))
+        return 1
     expected = devices * seconds
     figures["msgs_expected"] = expected
     me = psutil.Process()
@@ -384,12 +421,13 @@ def orchestrate(devices: int, seconds: int, as_json: bool) -> int:
         ingest: subprocess.Popen[str] | None = None
         fleet: Fleet | None = None
         ingest_log = work / "ingest.log"
+        store: Store | None = None
         try:
             ingest, ingest_log = _start_ingest(broker, url, work)
             _wait_ingest_ready(broker, url, ingest)
-            store = open_store(url)
-            baseline = store.counts()["telemetry"]
-            fleet = Fleet(broker.host, broker.port, devices, "dev")
+            store = db = open_store(url)
+            baseline = db.counts()["telemetry"]
+            fleet = f = Fleet(broker.host, broker.port, devices, "dev")
             say(f"connecting {devices} devices in waves of {WAVE} ...")
             figures["connect_s"] = round(fleet.connect_all(), 3)
             connected = sum(d.connected for d in fleet.devices)
@@ -398,6 +436,8 @@ def orchestrate(devices: int, seconds: int, as_json: bool) -> int:
             refused = [d.refused for d in fleet.devices if d.refused]
             figures["refused"] = len(refused)
             say(f"{connected}/{devices} connected in {figures['connect_s']} s")
+            # Publishing with part of the fleet would measure something else.
+            fleet.require_connected()
             assert broker.proc is not None
             bproc = psutil.Process(broker.proc.pid)
             iproc = psutil.Process(ingest.pid)
@@ -407,10 +447,10 @@ def orchestrate(devices: int, seconds: int, as_json: bool) -> int:
             published, worst = fleet.run(seconds)
             wall = time.monotonic() - w0
             cpu1 = (_cpu_s(iproc, True), _cpu_s(bproc, False), _cpu_s(me, False))
-            fleet.settle(lambda: fleet is not None and fleet.acked() >= published, ACK_WAIT_S)
+            fleet.settle(lambda: f.acked() >= published, ACK_WAIT_S)
 
             def stored() -> int:
-                return store.counts()["telemetry"] - baseline
+                return db.counts()["telemetry"] - baseline
 
             deadline = time.monotonic() + STORE_WAIT_S
             while stored() < expected and time.monotonic() < deadline:
@@ -420,7 +460,7 @@ def orchestrate(devices: int, seconds: int, as_json: bool) -> int:
             figures["ack_failures"] = sum(d.ack_failures for d in fleet.devices)
             figures["msgs_stored"] = stored()
             figures["lost"] = expected - figures["msgs_stored"]
-            gaps = [g for g in store.gaps() if g.device.startswith("dev-")]
+            gaps = [g for g in db.gaps() if g.device.startswith("dev-")]
             figures["gaps"] = len(gaps)
             figures["gap_msgs"] = sum(g.last_missing - g.first_missing + 1 for g in gaps)
             figures["disconnects"] = sum(d.disconnects for d in fleet.devices)
@@ -428,7 +468,8 @@ def orchestrate(devices: int, seconds: int, as_json: bool) -> int:
             figures["fleet_cpu_pct"] = round(100 * (cpu1[0] - cpu0[0]) / wall, 1)
             figures["broker_cpu_pct"] = round(100 * (cpu1[1] - cpu0[1]) / wall, 1)
             figures["bench_cpu_pct"] = round(100 * (cpu1[2] - cpu0[2]) / wall, 1)
-            store.close()
+            db.close()
+            store = None
             fleet.close()
             fleet = None
             stats = _stop_ingest(ingest)
@@ -444,10 +485,15 @@ def orchestrate(devices: int, seconds: int, as_json: bool) -> int:
                 figures["error"] = problems
         except Exception as exc:  # noqa: BLE001 - report what broke, with the logs' tails
             figures["error"] = f"{type(exc).__name__}: {exc}"
-            figures["broker_log_tail"] = broker.log()[-800:]
+            if fleet is not None:  # frees its sockets first, in case fds ran out
+                fleet.close()
+                fleet = None
+            figures["broker_log_tail"] = _unusual(broker.log())[-800:]
             if ingest_log.exists():
                 figures["ingest_log_tail"] = ingest_log.read_text()[-800:]
         finally:
+            if store is not None:
+                store.close()
             if fleet is not None:
                 fleet.close()
             if ingest is not None:
