@@ -80,6 +80,7 @@ bench: venv
 	$(BIN)/python -m bench.e2e --quick
 	$(BIN)/python -m bench.uplink --quick
 	$(BIN)/python -m bench.fleet_ingest --quick
+	$(BIN)/python -m bench.fleet_devices --quick
 
 ## check-arm64: every runtime dependency has a manylinux aarch64 wheel for CPython 3.11 and 3.12
 check-arm64: venv
