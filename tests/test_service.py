@@ -170,7 +170,13 @@ def test_agent_decides_about_every_window() -> None:
 
 def test_a_simulated_spike_is_the_alarm_through_the_field_buses() -> None:
     _, decisions, _, log_text = run_agent_with_anomaly("spike:current@21+30x8", 6.0)
-    assert {d.label for d in decisions} <= {"normal", "spike"}, [d.label for d in decisions]
+    labels = [d.label for d in decisions]
+    # The model calls a spike window "noise" now and then (model card: spike recall < 1);
+    # hysteresis keeps such a lone window from raising anything. Spike must dominate and be
+    # the only alarm raised.
+    anomalous = [label for label in labels if label != "normal"]
+    assert anomalous.count("spike") > len(anomalous) / 2, labels
+    assert {r for d in decisions for r in d.raised} == {"spike"}, labels
     spikes = [d for d in decisions if d.label == "spike"]
     assert spikes
     assert spikes[0].top_signals[0][0] == "current"
