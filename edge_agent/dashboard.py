@@ -774,7 +774,9 @@ def source_state(stats: Mapping[str, Any]) -> tuple[str, bool]:
     """A source's state in a word or two, and whether that is healthy."""
     state = stats.get("state")
     if isinstance(state, str):
-        ok = state == "open"
+        # The agent's own verdict ("up") when the status carries it: a replay source is
+        # healthy while "playing", a bus while "open".
+        ok = bool(stats["up"]) if "up" in stats else state == "open"
     elif "connected" in stats:
         ok = stats.get("connected") == 1
         state = "connected" if ok else "disconnected"

@@ -431,7 +431,7 @@ class Agent:
         q, out = self.memory_queue, self.reasoning_queue
         handled = 0
         while len(q) and (close_ns is None or self.clock_ns() < close_ns):
-            if self.stage is not None and len(out) >= out.maxlen and close_ns is not None:
+            if self.stage is not None and len(out) >= out.maxlen:
                 break  # reasoning is behind: the window waits here (bounded) instead
             item = q.get_nowait()
             assert item is not None
@@ -464,8 +464,10 @@ class Agent:
         self.aligner.push_many(self.buffer.drain())
         self._emit(self.aligner.advance(self.clock_ns()))
         while len(self.memory_queue) or len(self.reasoning_queue):
-            self._remember(None)
-            self._reason(None)
+            # Guarded like the gates: a stage failing on one window must not turn a clean
+            # stop into a crash or strand the windows behind it (each failure drops one).
+            self._guarded("memory", lambda: self._remember(None))
+            self._guarded("reasoning", lambda: self._reason(None))
         if self.telemetry is not None:
             for agg in self.telemetry.flush():
                 self._publish_telemetry(agg)

@@ -459,12 +459,14 @@ class IngestWorker:
         if reason_code.is_failure:
             self._note("connect", f"broker refused the connection: {reason_code}")
             return
-        self._epoch += 1
+        # Under the ack lock: the writer must never ack an old connection's mid on this one.
+        with self._ack_lock:
+            self._epoch += 1
+            if flags.session_present:
+                # The broker resends every unacked message of the session (MQTT 5 4.4.0-1):
+                # what still waits here from the old connection would only be stored twice.
+                self._discard_before = self._epoch
         self.stats.connects += 1
-        if flags.session_present:
-            # The broker resends every unacked message of the session (MQTT 5 4.4.0-1):
-            # what still waits here from the old connection would only be stored twice.
-            self._discard_before = self._epoch
         client.subscribe([(t, 1) for t in shared_subscription(self.config.group)])
         log.info(
             "ingest %s connected to %s:%d (session present: %s)",
@@ -502,11 +504,16 @@ class IngestWorker:
     ) -> None:
         # Acks for messages of the lost connection would name mids of the next one: bump the
         # epoch so the writer skips them (the broker redelivers them instead).
-        self._epoch += 1
+        with self._ack_lock:
+            self._epoch += 1
         if not self._stopping.is_set():
             log.warning("ingest %s disconnected: %s", self.client_id, reason_code)
 
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        if self._stopping.is_set():
+            # Left unacked: the broker keeps it for this session. Taking more while stopping
+            # would keep the writer (and stop()) busy for as long as traffic flows.
+            return
         self.stats.received += 1
         if self.stats.first_received_ns is None:
             self.stats.first_received_ns = time.time_ns()

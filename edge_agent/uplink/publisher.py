@@ -41,7 +41,16 @@ from edge_agent.gates import set_socket_priority
 from edge_agent.rules import Decision
 from edge_agent.uplink.config import UplinkSection
 from edge_agent.uplink.outbox import Outbox, Session
-from wire.messages import DecisionMsg, Message, StateMsg, WireError, decode, encode, kind_of
+from wire.messages import (
+    KINDS,
+    DecisionMsg,
+    Message,
+    StateMsg,
+    WireError,
+    decode,
+    encode,
+    kind_of,
+)
 from wire.topics import device_root, topic
 
 log = logging.getLogger(__name__)
@@ -121,6 +130,8 @@ class Uplink:
         self.on_command = on_command
         self.root = device_root(site, device)  # raises ValueError for a bad site/device
         self.state_topic = topic(site, device, "state")
+        # Built once: topic() checks the names with a regex, too slow for every message.
+        self._topics = {kind: topic(site, device, kind) for kind in KINDS if kind != "state"}
         self.client_id = section.effective_client_id(device)
         self.session = Session()
         self.outbox = Outbox(
@@ -173,6 +184,11 @@ class Uplink:
         build never leaves a gap; a message the outbox drops does (and is counted).
         """
         seq = self.session.next_seq
+        if kind not in self._topics:
+            # State messages have no seq (see wire.messages); anything else is not ours.
+            self.invalid[kind] = self.invalid.get(kind, 0) + 1
+            self.last_error = f"not a data message kind: {kind!r}"
+            return False
         try:
             payload = self._checked(kind, build(self.session.boot_id, seq), seq)
         except (WireError, TypeError, ValueError, msgspec.ValidationError) as exc:
@@ -186,7 +202,7 @@ class Uplink:
             log.exception("uplink: building a %s message failed", kind)
             return False
         self.session.take()
-        ok = self.outbox.put(kind, topic(self.site, self.device, kind), payload, seq)
+        ok = self.outbox.put(kind, self._topics[kind], payload, seq)
         if ok:
             self.queued[kind] = self.queued.get(kind, 0) + 1
         self._wake.set()
