@@ -38,8 +38,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from edge_agent._schema import StrictModel
 from edge_agent.probe import Probe, ProbeError, ProbeResult, ProbeTooLarge, parse_probe
 
 if TYPE_CHECKING:
@@ -54,10 +55,8 @@ SHUTDOWN_TIMEOUT_S = 2.0
 _CHUNK = 16_384
 
 
-class ApiSection(BaseModel):
+class ApiSection(StrictModel):
     """The ``[api]`` section (see the module docstring). Strict, unknown keys rejected."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     enabled: bool = True
     host: Annotated[str, Field(min_length=1, max_length=255)] = "127.0.0.1"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from drivers.specs import (
     REGISTER_WIDTH,
@@ -34,6 +34,7 @@ from drivers.specs import (
     ReplaySpec,
     WordOrder,
 )
+from edge_agent._schema import Name, StrictModel
 from edge_agent.api import ApiSection
 from edge_agent.breaker import BreakerSpec, DegradedMode
 from edge_agent.errors import ConfigError
@@ -56,15 +57,10 @@ from edge_agent.uplink.config import UplinkSection
 #: Refuse config files larger than this before parsing them.
 MAX_CONFIG_BYTES = 1 << 20
 
-Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 PositiveMs = Annotated[int, Field(gt=0, le=3_600_000)]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-class AgentSection(_Model):
+class AgentSection(StrictModel):
     """Who this agent is and where it keeps its state."""
 
     device: Name = Field(default_factory=lambda: socket.gethostname().split(".")[0] or "edge")
@@ -75,7 +71,7 @@ class AgentSection(_Model):
     stats_interval_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
 
 
-class PerceptionSection(_Model):
+class PerceptionSection(StrictModel):
     signals: Annotated[list[Name], Field(min_length=1, max_length=1024)]
     rate_hz: Annotated[float, Field(gt=0, le=10_000)] = 100.0
     window: Annotated[int, Field(ge=1, le=100_000)] = 64
@@ -87,7 +83,7 @@ class PerceptionSection(_Model):
     queue_size: Annotated[int, Field(ge=16, le=10_000_000)] = 65_536
 
 
-class RegisterSection(_Model):
+class RegisterSection(StrictModel):
     name: Name
     address: Annotated[int, Field(ge=0, le=65_535)]
     function: RegisterFunction = "holding"
@@ -102,7 +98,7 @@ class RegisterSection(_Model):
     bits: Annotated[int, Field(ge=1, le=16)] = 1
 
 
-class ModbusSection(_Model):
+class ModbusSection(StrictModel):
     name: Name
     transport: Literal["tcp", "rtu"] = "tcp"
     host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
@@ -123,7 +119,7 @@ class ModbusSection(_Model):
     registers: Annotated[list[RegisterSection], Field(min_length=1)]
 
 
-class CanSection(_Model):
+class CanSection(StrictModel):
     name: Name
     interface: Annotated[str, Field(min_length=1)]
     channel: Annotated[str, Field(min_length=1)]
@@ -137,7 +133,7 @@ class CanSection(_Model):
     backoff_max_ms: PositiveMs = 30_000
 
 
-class ReplaySection(_Model):
+class ReplaySection(StrictModel):
     name: Name
     path: Annotated[str, Field(min_length=1)]
     dbc: Annotated[str, Field(min_length=1)]
@@ -147,25 +143,25 @@ class ReplaySection(_Model):
     prefix: str = ""
 
 
-class SourcesSection(_Model):
+class SourcesSection(StrictModel):
     modbus: list[ModbusSection] = Field(default_factory=list)
     can: list[CanSection] = Field(default_factory=list)
     replay: list[ReplaySection] = Field(default_factory=list)
 
 
-class HysteresisSection(_Model):
+class HysteresisSection(StrictModel):
     raise_after: Annotated[int, Field(ge=1, le=1000)] = 2
     clear_after: Annotated[int, Field(ge=1, le=1000)] = 3
     margin: Annotated[float, Field(ge=0, lt=1)] = 0.1
 
 
-class BudgetSection(_Model):
+class BudgetSection(StrictModel):
     perception: Annotated[float, Field(gt=0, le=60_000)] = 5.0
     memory: Annotated[float, Field(gt=0, le=60_000)] = 2.0
     reasoning: Annotated[float, Field(gt=0, le=60_000)] = 2.0
 
 
-class BreakerSection(_Model):
+class BreakerSection(StrictModel):
     trip_after: Annotated[int, Field(ge=1, le=10_000)] = 3
     recover_after: Annotated[int, Field(ge=1, le=10_000)] = 5
     mode: DegradedMode = "every_k"
@@ -173,7 +169,7 @@ class BreakerSection(_Model):
     probe_every: Annotated[int, Field(ge=2, le=100_000)] = 10
 
 
-class RuleSection(_Model):
+class RuleSection(StrictModel):
     name: Name
     kind: RuleKind
     label: Name
@@ -183,7 +179,7 @@ class RuleSection(_Model):
     value: float
 
 
-class ReasoningSection(_Model):
+class ReasoningSection(StrictModel):
     enabled: bool = True
     model_dir: Annotated[str, Field(min_length=1)] | None = None
     backend: Literal["auto", "ai_edge_litert", "tflite_runtime"] = "auto"
@@ -196,7 +192,7 @@ class ReasoningSection(_Model):
     rules: Annotated[list[RuleSection], Field(max_length=256)] = Field(default_factory=list)
 
 
-class AgentConfigModel(_Model):
+class AgentConfigModel(StrictModel):
     """The whole file. Field docs live in ``examples/agent.toml``."""
 
     agent: AgentSection = Field(default_factory=AgentSection)

@@ -51,8 +51,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from edge_agent._schema import Name, StrictModel
 from edge_agent.errors import ConfigError
 
 #: Pipeline stages in pipeline order; in one entry they run in this order.
@@ -68,7 +69,6 @@ MAX_QUEUES = 16
 MIN_CYCLE_US = 100
 MAX_CYCLE_US = 1_000_000
 
-Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 # IFNAMSIZ is 16 with the NUL; the kernel's dev_valid_name() refuses '/', ':' and blanks.
 InterfaceName = Annotated[str, Field(min_length=1, max_length=15, pattern=r"^[^\s/:]+$")]
 ClockId = Literal["CLOCK_TAI", "CLOCK_REALTIME"]
@@ -77,11 +77,7 @@ _US = 1_000
 _S = 1_000_000_000
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-class TrafficClassSection(_Model):
+class TrafficClassSection(StrictModel):
     """One NIC traffic class: the socket priority that selects it and its TX queues."""
 
     name: Name
@@ -89,7 +85,7 @@ class TrafficClassSection(_Model):
     queues: Annotated[int, Field(ge=1, le=MAX_QUEUES)] = 1
 
 
-class EntrySection(_Model):
+class EntrySection(StrictModel):
     """One window of the cycle and the gates open during it."""
 
     name: Name
@@ -117,7 +113,7 @@ def _default_entries() -> list[EntrySection]:
     ]
 
 
-class TsnSection(_Model):
+class TsnSection(StrictModel):
     """The NIC side: interface, taprio clock and traffic classes (tc0 first)."""
 
     interface: InterfaceName = "eth0"
@@ -127,7 +123,7 @@ class TsnSection(_Model):
     )
 
 
-class ScheduleSection(_Model):
+class ScheduleSection(StrictModel):
     """The ``[schedule]`` section (field docs in the module docstring)."""
 
     cycle_us: int = 10_000

@@ -35,18 +35,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+from edge_agent._schema import Name, StrictModel
 
 _MIB = 1 << 20
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-class MemorySection(_Model):
+class MemorySection(StrictModel):
     """Working memory, episodic store, baselines, aging and snapshots (field docs above)."""
 
     enabled: bool = True

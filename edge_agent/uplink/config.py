@@ -44,18 +44,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+from edge_agent._schema import Name, StrictModel
 
 _MIB = 1 << 20
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-class TlsSection(_Model):
+class TlsSection(StrictModel):
     """Server-CA-only TLS with just ``ca_file``; mutual TLS with ``cert_file`` + ``key_file``."""
 
     ca_file: str | None = None
@@ -63,7 +59,7 @@ class TlsSection(_Model):
     key_file: str | None = None
 
 
-class DeltaSection(_Model):
+class DeltaSection(StrictModel):
     """Delta upload of telemetry (see :class:`wire.messages.TelemetryMsg`)."""
 
     enabled: bool = True
@@ -78,7 +74,7 @@ class DeltaSection(_Model):
         return tuple(float(self.deadband.get(s, self.default_deadband)) for s in signals)
 
 
-class OutboxSection(_Model):
+class OutboxSection(StrictModel):
     """The durable outbox (SQLite) every uplink message passes through."""
 
     path: Annotated[str, Field(min_length=1)] = "outbox.db"
@@ -86,7 +82,7 @@ class OutboxSection(_Model):
     decision_reserve_bytes: Annotated[int, Field(ge=0, le=1 << 40)] = 16 * _MIB
 
 
-class UplinkSection(_Model):
+class UplinkSection(StrictModel):
     """MQTT uplink to the fleet (field docs in the module docstring)."""
 
     enabled: bool = False
