@@ -198,13 +198,19 @@ class Evaluation:
     latency_ms: float
 
 
-def percentiles(samples: Sequence[float] | deque[float]) -> dict[str, float]:
-    """P50/P99/max of ``samples`` (0 when empty), rounded to 0.1."""
+def percentiles(samples: Sequence[float] | deque[float]) -> dict[str, float | int]:
+    """P50/P99/P99.9/max of ``samples`` (rounded to 0.1) and their count; zeros when empty."""
     if not samples:
-        return {"p50": 0.0, "p99": 0.0, "max": 0.0}
+        return {"p50": 0.0, "p99": 0.0, "p999": 0.0, "max": 0.0, "n": 0}
     arr = np.fromiter(samples, dtype=np.float64, count=len(samples))
-    p50, p99 = np.percentile(arr, [50, 99])
-    return {"p50": round(float(p50), 1), "p99": round(float(p99), 1), "max": round(arr.max(), 1)}
+    p50, p99, p999 = np.percentile(arr, [50, 99, 99.9])
+    return {
+        "p50": round(float(p50), 1),
+        "p99": round(float(p99), 1),
+        "p999": round(float(p999), 1),
+        "max": round(float(arr.max()), 1),
+        "n": len(samples),
+    }
 
 
 class ReasoningStage:

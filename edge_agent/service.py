@@ -59,7 +59,13 @@ from edge_agent.memory.stage import MemoryStage
 from edge_agent.metrics import AgentMetrics
 from edge_agent.perception import Aligner, Window
 from edge_agent.probe import Probe, ProbeResult, run_probe
-from edge_agent.reasoning import DropOldestQueue, PreparedModel, ReasoningStage, Scorer
+from edge_agent.reasoning import (
+    DropOldestQueue,
+    PreparedModel,
+    ReasoningStage,
+    Scorer,
+    percentiles,
+)
 from edge_agent.rules import Decision
 from edge_agent.sdnotify import Notifier, watchdog_interval_s, watchdog_loop
 from edge_agent.uplink.publisher import Uplink
@@ -633,7 +639,7 @@ class Agent:
         g = self.scheduler.snapshot()
         log.info(
             "gates: e2e_p99_us=%.0f %s",
-            latency_percentiles(self.e2e_us)["p99"],
+            percentiles(self.e2e_us)["p99"],
             " ".join(
                 f"{name}:late_p99_us={e['lateness_us']['p99']:.0f},missed={e['missed']}"
                 for name, e in g.get("entries", {}).items()
@@ -680,13 +686,13 @@ class Agent:
             reasoning.update(self.stage.snapshot())
         up = self.sources_up()
         latency: dict[str, object] = {
-            "e2e": latency_percentiles(self.e2e_us),
-            "memory": latency_percentiles(self.memory_us),
+            "e2e": percentiles(self.e2e_us),
+            "memory": percentiles(self.memory_us),
         }
         if self.stage is not None:
             lat = self.stage.stats
-            latency["perception"] = latency_percentiles(lat.perception_us)
-            latency["reasoning"] = latency_percentiles(lat.reasoning_us)
+            latency["perception"] = percentiles(lat.perception_us)
+            latency["reasoning"] = percentiles(lat.reasoning_us)
         return {
             "agent": {
                 "device": self.config.agent.device,
@@ -744,21 +750,6 @@ class Agent:
                 for s in self.sources
             },
         }
-
-
-def latency_percentiles(samples: deque[float]) -> dict[str, float | int]:
-    """P50/P99/P99.9/max in µs (rounded to 0.1) and the count; zeros when empty."""
-    if not samples:
-        return {"p50": 0.0, "p99": 0.0, "p999": 0.0, "max": 0.0, "n": 0}
-    arr = np.fromiter(samples, dtype=np.float64, count=len(samples))
-    p50, p99, p999 = np.percentile(arr, [50, 99, 99.9])
-    return {
-        "p50": round(float(p50), 1),
-        "p99": round(float(p99), 1),
-        "p999": round(float(p999), 1),
-        "max": round(float(arr.max()), 1),
-        "n": len(samples),
-    }
 
 
 def _is_up(stats: Mapping[str, int | float | str]) -> bool:
