@@ -73,7 +73,7 @@ from edge_agent.uplink.telemetry import (
     Aggregate,
     DeltaEncoder,
     TelemetryAggregator,
-    telemetry_msg,
+    telemetry_batch_msg,
 )
 from models import load_model
 from models.errors import ModelError
@@ -212,6 +212,7 @@ class Agent:
         self.loop_name = "-"
         self.uplink: Uplink | None = None
         self.telemetry: TelemetryAggregator | None = None
+        self._telemetry_batch: list[tuple[Aggregate, bool, Mapping[str, SignalStats]]] = []
         self.delta: DeltaEncoder | None = None
         up = config.uplink
         if up.enabled:
@@ -477,6 +478,7 @@ class Agent:
         if self.telemetry is not None:
             for agg in self.telemetry.flush():
                 self._publish_telemetry(agg)
+            self._flush_telemetry()
 
     def _decide(self, item: _InFlight) -> None:
         stage = self.stage
@@ -519,22 +521,28 @@ class Agent:
             self._on_decision_cb(d)
 
     def _publish_telemetry(self, agg: Aggregate) -> None:
-        """One period's statistics to the outbox: a keyframe, or only what moved (delta)."""
-        uplink = self.uplink
-        assert uplink is not None
+        """One period's statistics (a keyframe, or only what moved) into the current batch;
+        a full batch (``uplink.telemetry_batch`` periods) goes to the outbox as one message."""
         if self.delta is not None:
             keyframe, signals = self.delta.encode(agg)
-            if not keyframe and not signals:
-                return  # nothing moved past its deadband: no message, no seq
+            if keyframe or signals:  # else nothing moved past its deadband: nothing to send
+                self._telemetry_batch.append((agg, keyframe, signals))
         else:
-            keyframe = True
             signals = {name: SignalStats(*st) for name, st in agg.stats.items()}
+            self._telemetry_batch.append((agg, True, signals))
+        if len(self._telemetry_batch) >= self.config.uplink.telemetry_batch:
+            self._flush_telemetry()
+
+    def _flush_telemetry(self) -> None:
+        batch, self._telemetry_batch = self._telemetry_batch, []
+        if not batch or self.uplink is None:
+            return
         device = self.config.agent.device
 
         def build(boot_id: str, seq: int) -> Message:
-            return telemetry_msg(agg, keyframe, signals, device=device, boot_id=boot_id, seq=seq)
+            return telemetry_batch_msg(batch, device=device, boot_id=boot_id, seq=seq)
 
-        uplink.publish("telemetry", build)
+        self.uplink.publish("telemetry", build)
 
     # -- the health API's view --------------------------------------------------------------
 

@@ -9,6 +9,7 @@ birth and clean offline.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from pathlib import Path
@@ -16,10 +17,12 @@ from pathlib import Path
 from drivers.sim.server import PlantSimulator
 from edge_agent.config import parse_config
 from edge_agent.service import Agent
+from edge_agent.uplink.telemetry import Reconstructor, periods_of
 from fleet.ingest import IngestConfig, IngestWorker
 from fleet.store import open_store
 from tests.mqtt_broker import mosquitto
 from tests.test_service import EXAMPLES, example_text, free_port
+from wire import TelemetryMsg, decode
 
 
 def test_agent_to_broker_to_fleet_store_with_seq_continuity(tmp_path: Path) -> None:
@@ -31,7 +34,9 @@ def test_agent_to_broker_to_fleet_store_with_seq_continuity(tmp_path: Path) -> N
         text = (
             text.replace("enabled = false                # the demo", "enabled = true #")
             .replace("port = 1883", f"port = {broker.port}")
-            .replace("telemetry_period_ms = 1000", "telemetry_period_ms = 250")
+            # 50 ms periods, four to a message: batches and single messages both occur.
+            .replace("telemetry_period_ms = 1000", "telemetry_period_ms = 50")
+            .replace("telemetry_batch = 1 ", "telemetry_batch = 4 ")
         )
         cfg = parse_config(text, base_dir=EXAMPLES)
         worker = IngestWorker(
@@ -78,5 +83,18 @@ def test_agent_to_broker_to_fleet_store_with_seq_continuity(tmp_path: Path) -> N
         seqs = sorted([seq for _, seq, _, _ in tail] + [seq for _, _, seq, _ in decisions])
         assert seqs == list(range(numbered))
         assert len({boot for _, _, boot, _ in tail}) == 1
+        # Batches of four periods (the last may be short), each period 50 ms after the one
+        # before it, all rebuilt in order by the fleet's side.
+        rebuilt = Reconstructor()
+        ends: list[int] = []
+        for _, _, _, body in tail:
+            msg = decode("telemetry", body)
+            assert isinstance(msg, TelemetryMsg)
+            assert 1 <= len(periods_of(msg)) <= 4
+            ends += [t for t, _ in rebuilt.apply_each(msg)]
+        assert len(ends) > 4 * (len(tail) - 2)
+        assert ends == sorted(ends)
+        assert all((b - a) % 50_000_000 == 0 for a, b in itertools.pairwise(ends))
+        assert rebuilt.synced
     finally:
         store.close()

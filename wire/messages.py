@@ -76,17 +76,30 @@ class SignalStats(_Strict, array_like=True, frozen=True):
     n: Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
 
-class TelemetryMsg(Envelope, kw_only=True, frozen=True):
+class TelemetryPeriod(_Strict, array_like=True, frozen=True):
+    """One more period in a telemetry message, ``[t_ns, keyframe, signals]`` on the wire."""
+
+    t_ns: U63
+    keyframe: bool
+    signals: Annotated[dict[Name, SignalStats], msgspec.Meta(max_length=1024)]
+
+
+class TelemetryMsg(Envelope, kw_only=True, frozen=True, omit_defaults=True):
     """``.../telemetry``: per-signal statistics over ``[t_ns - period_ns, t_ns)``.
 
-    ``keyframe`` messages carry every signal; the others only those that moved past their
-    deadband since the last message sent (delta upload), so an absent signal means
-    "unchanged", not "missing".
+    ``keyframe`` periods carry every signal; the others only those that moved past their
+    deadband since the last period sent (delta upload), so an absent signal means
+    "unchanged", not "missing". ``more`` (absent when empty) carries later periods of the
+    same length, oldest first, so fast telemetry (e.g. 10 ms periods) need not pay a whole
+    envelope per period.
     """
 
     period_ns: Annotated[int, msgspec.Meta(gt=0, le=3_600_000_000_000)]
     keyframe: bool
     signals: Annotated[dict[Name, SignalStats], msgspec.Meta(max_length=1024)]
+    more: Annotated[list[TelemetryPeriod], msgspec.Meta(max_length=10_000)] = msgspec.field(
+        default_factory=list
+    )
 
 
 class RuleFired(_Strict, frozen=True):

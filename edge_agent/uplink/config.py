@@ -94,6 +94,9 @@ class UplinkSection(StrictModel):
     username: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     password_file: Annotated[str, Field(min_length=1)] | None = None
     telemetry_period_ms: Annotated[int, Field(ge=10, le=3_600_000)] = 1000
+    #: Periods per telemetry message: with fast periods (10 ms) the envelope would
+    #: otherwise cost more than the data. The batch leaves when full or at shutdown.
+    telemetry_batch: Annotated[int, Field(ge=1, le=10_000)] = 1
     delta: DeltaSection = Field(default_factory=DeltaSection)
     outbox: OutboxSection = Field(default_factory=OutboxSection)
     replay_rate_per_s: Annotated[float, Field(gt=0, le=1_000_000, allow_inf_nan=False)] = 200.0

@@ -46,7 +46,7 @@ from typing import NamedTuple
 import numpy as np
 
 from edge_agent.perception import Window
-from wire.messages import SignalStats, TelemetryMsg
+from wire.messages import SignalStats, TelemetryMsg, TelemetryPeriod
 
 #: The wire's limit on ``period_ns`` (:class:`wire.messages.TelemetryMsg`).
 MAX_PERIOD_NS = 3_600_000_000_000
@@ -346,21 +346,61 @@ class Reconstructor:
         self._boot_id: str | None = None
 
     def apply(self, msg: TelemetryMsg) -> dict[str, SignalStats]:
-        """Fold ``msg`` in; return the state (signals with data only)."""
+        """Fold ``msg`` (all its periods) in; return the state (signals with data only)."""
+        self.apply_each(msg)
+        return self.state
+
+    def apply_each(self, msg: TelemetryMsg) -> list[tuple[int, dict[str, SignalStats]]]:
+        """Fold ``msg`` in period by period; the state after each, with its end ``t_ns``."""
         if msg.boot_id != self._boot_id:
             self._boot_id = msg.boot_id
             self.state = {}
             self.synced = False
-        if msg.keyframe:
-            self.state = {s: v for s, v in msg.signals.items() if v.n > 0}
+        out = []
+        for t_ns, keyframe, signals in periods_of(msg):
+            self._fold(keyframe, signals)
+            out.append((t_ns, dict(self.state)))
+        return out
+
+    def _fold(self, keyframe: bool, signals: Mapping[str, SignalStats]) -> None:
+        if keyframe:
+            self.state = {s: v for s, v in signals.items() if v.n > 0}
             self.synced = True
-            return self.state
-        for name, value in msg.signals.items():
+            return
+        for name, value in signals.items():
             if value.n > 0:
                 self.state[name] = value
             else:
                 self.state.pop(name, None)
-        return self.state
+
+
+def periods_of(msg: TelemetryMsg) -> list[tuple[int, bool, Mapping[str, SignalStats]]]:
+    """Every period a telemetry message carries, oldest first: ``(t_ns, keyframe, signals)``."""
+    first = (msg.t_ns, msg.keyframe, msg.signals)
+    return [first, *((p.t_ns, p.keyframe, p.signals) for p in msg.more)]
+
+
+def telemetry_batch_msg(
+    periods: Sequence[tuple[Aggregate, bool, Mapping[str, SignalStats]]],
+    *,
+    device: str,
+    boot_id: str,
+    seq: int,
+) -> TelemetryMsg:
+    """One wire message for several encoded aggregates of one period length, oldest first."""
+    (agg, keyframe, signals), rest = periods[0], periods[1:]
+    if any(a.period_ns != agg.period_ns for a, _, _ in rest):
+        raise ValueError("a telemetry batch holds periods of one length only")
+    return TelemetryMsg(
+        device=device,
+        boot_id=boot_id,
+        seq=seq,
+        t_ns=agg.t_ns,
+        period_ns=agg.period_ns,
+        keyframe=keyframe,
+        signals=dict(signals),
+        more=[TelemetryPeriod(a.t_ns, k, dict(sig)) for a, k, sig in rest],
+    )
 
 
 def telemetry_msg(
@@ -393,5 +433,7 @@ __all__ = [
     "PeriodStats",
     "Reconstructor",
     "TelemetryAggregator",
+    "periods_of",
+    "telemetry_batch_msg",
     "telemetry_msg",
 ]
