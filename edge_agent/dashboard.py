@@ -38,6 +38,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.text import Text
 
+from edge_agent.metrics import status_at
 from edge_agent.rules import NORMAL, Decision
 
 if TYPE_CHECKING:
@@ -232,7 +233,7 @@ class Dashboard:
         return "ACTIVE" if t < a.end_s else "over"
 
     def _model(self) -> str:
-        model = _dig(self.status, "reasoning", "model")
+        model = status_at(self.status, "reasoning", "model")
         return model_description(self.status) if isinstance(model, Mapping) else self.model
 
     # -- the live view ----------------------------------------------------------------------
@@ -269,7 +270,7 @@ class Dashboard:
     def _header_lines(self, width: int) -> list[Text]:
         elapsed = self.elapsed()
         left = Text.assemble((self.device, "bold cyan"), "  model ", (self._model(), "magenta"))
-        health = _dig(self.status, "agent", "health")
+        health = status_at(self.status, "agent", "health")
         if isinstance(health, str):
             left.append("  health ")
             left.append(health, "green" if health == "ok" else "bold yellow")
@@ -323,7 +324,7 @@ class Dashboard:
             "green" if completeness is not None and completeness >= 0.99 else "yellow",
         )
         lines = [head, Text(f"{'latency':<11}{'p50 µs':>9}{'p99 µs':>9}", "dim")]
-        budget = _num(_dig(st, "reasoning", "breaker", "budget_us"))
+        budget = _num(status_at(st, "reasoning", "breaker", "budget_us"))
         for stage in STAGES:
             p50, p99 = stage_latency(st, stage)
             if stage == "e2e" and p50 is None:
@@ -339,7 +340,7 @@ class Dashboard:
         return lines
 
     def _breaker_line(self) -> Text:
-        b = _dig(self.status, "reasoning", "breaker")
+        b = status_at(self.status, "reasoning", "breaker")
         text = Text("breaker ")
         if not isinstance(b, Mapping):
             return text.append("—", "dim")
@@ -672,7 +673,7 @@ class Dashboard:
 
 def model_description(status: Mapping[str, Any]) -> str:
     """``name version sha12`` of the model a status snapshot names."""
-    m = _dig(status, "reasoning", "model")
+    m = status_at(status, "reasoning", "model")
     if not isinstance(m, Mapping):
         return "no model (reasoning disabled)"
     return f"{m.get('name', '?')} {m.get('version', '?')} {str(m.get('sha256', ''))[:12]}"
@@ -685,7 +686,7 @@ def stage_latency(status: Mapping[str, Any], stage: str) -> tuple[float | None, 
     (``reasoning.latency_us``, ``memory.latency_us``) are the fallback.
     """
     for path in (("latency_us", stage), ("reasoning", "latency_us", stage), (stage, "latency_us")):
-        p = _dig(status, *path)
+        p = status_at(status, *path)
         if not isinstance(p, Mapping):
             continue
         n = _int(p.get("n", p.get("count")))
@@ -698,15 +699,15 @@ def stage_latency(status: Mapping[str, Any], stage: str) -> tuple[float | None, 
 def drops(status: Mapping[str, Any]) -> list[tuple[str, int]]:
     """What the pipeline dropped, by place: buffer, queues, late samples, skipped windows."""
     out: list[tuple[str, int]] = []
-    buffer = _int(_dig(status, "buffer", "dropped"))
+    buffer = _int(status_at(status, "buffer", "dropped"))
     if buffer is not None:
         out.append(("buffer", buffer))
     queues = status.get("queues")
     if isinstance(queues, Mapping):
-        total = sum(_int(_dig(q, "dropped")) or 0 for q in queues.values())
+        total = sum(_int(status_at(q, "dropped")) or 0 for q in queues.values())
         out.append(("queues", total))
     else:
-        queue = _int(_dig(status, "reasoning", "queue", "dropped"))
+        queue = _int(status_at(status, "reasoning", "queue", "dropped"))
         if queue is not None:
             out.append(("queue", queue))
     for name, path in (
@@ -714,7 +715,7 @@ def drops(status: Mapping[str, Any]) -> list[tuple[str, int]]:
         ("skipped", ("perception", "windows_skipped")),
         ("memory", ("memory", "dropped_windows")),
     ):
-        n = _int(_dig(status, *path))
+        n = _int(status_at(status, *path))
         if n is not None:
             out.append((name, n))
     return out
@@ -730,15 +731,15 @@ def gate_stats(status: Mapping[str, Any]) -> tuple[int, int, int, float | None] 
     openings = missed = 0
     late: list[float] = []
     for e in entries.values():
-        openings += _int(_dig(e, "openings")) or 0
-        missed += _int(_dig(e, "missed")) or 0
-        p99 = _num(_dig(e, "lateness_us", "p99"))
-        if p99 is not None and (_int(_dig(e, "openings")) or 0) > 0:
+        openings += _int(status_at(e, "openings")) or 0
+        missed += _int(status_at(e, "missed")) or 0
+        p99 = _num(status_at(e, "lateness_us", "p99"))
+        if p99 is not None and (_int(status_at(e, "openings")) or 0) > 0:
             late.append(p99)
     stages = g.get("stages")
     overruns = 0
     if isinstance(stages, Mapping):
-        overruns = sum(_int(_dig(s, "overruns")) or 0 for s in stages.values())
+        overruns = sum(_int(status_at(s, "overruns")) or 0 for s in stages.values())
     return openings, missed, overruns, max(late) if late else None
 
 
@@ -915,14 +916,6 @@ def _us(x: float | None) -> str:
     if x is None:
         return "—"
     return f"{x:.1f}" if x < 100 else f"{x:,.0f}"
-
-
-def _dig(obj: Any, *keys: str) -> Any:
-    for key in keys:
-        if not isinstance(obj, Mapping):
-            return None
-        obj = obj.get(key)
-    return obj
 
 
 def _num(x: Any) -> float | None:

@@ -317,7 +317,8 @@ class _StatusCollector:
         yield from out
 
 
-def _at(obj: Any, *path: str) -> Any:
+def status_at(obj: Any, *path: str) -> Any:
+    """``obj[path[0]][path[1]]...``, or None where the status lacks a key (never raises)."""
     for key in path:
         if not isinstance(obj, Mapping):
             return None
@@ -399,7 +400,7 @@ def _source_errors(entry: Mapping[str, Any]) -> float | None:
 
 def _families(s: Mapping[str, Any], out: _Out) -> None:
     """Every family :class:`StatusLike` ``s`` gives, in a stable order."""
-    agent = _at(s, "agent")
+    agent = status_at(s, "agent")
     out.info("edgefleet_agent", "Agent build and event loop.", agent, ("version", "loop"))
     if isinstance(agent, Mapping):
         out.one_gauge(
@@ -423,29 +424,29 @@ def _families(s: Mapping[str, Any], out: _Out) -> None:
         s.get("mean_completeness"),
     )
 
-    reasoning = _at(s, "reasoning")
+    reasoning = status_at(s, "reasoning")
     out.counter(
         "edgefleet_decisions_total",
         "Decisions by label (the instantaneous verdict).",
         ["label"],
-        (((label,), n) for label, n in _items(_at(reasoning, "labels"))),
+        (((label,), n) for label, n in _items(status_at(reasoning, "labels"))),
     )
     out.one_counter(
         "edgefleet_model_runs_total",
         "Windows the model scored.",
-        _at(reasoning, "model_runs"),
+        status_at(reasoning, "model_runs"),
     )
     out.one_counter(
         "edgefleet_alarms_raised_total",
         "Alarms raised.",
-        _at(reasoning, "alarms_raised"),
+        status_at(reasoning, "alarms_raised"),
     )
     out.one_counter(
         "edgefleet_alarms_cleared_total",
         "Alarms cleared.",
-        _at(reasoning, "alarms_cleared"),
+        status_at(reasoning, "alarms_cleared"),
     )
-    active = _at(reasoning, "alarms_active")
+    active = status_at(reasoning, "alarms_active")
     if isinstance(active, Sequence) and not isinstance(active, str):
         out.gauge(
             "edgefleet_alarm_active",
@@ -457,24 +458,27 @@ def _families(s: Mapping[str, Any], out: _Out) -> None:
         "edgefleet_model_swaps_total",
         "Hot swaps of the model, applied or refused.",
         ["outcome"],
-        [(("applied",), _at(reasoning, "swaps")), (("refused",), _at(reasoning, "swaps_refused"))],
+        [
+            (("applied",), status_at(reasoning, "swaps")),
+            (("refused",), status_at(reasoning, "swaps_refused")),
+        ],
     )
     out.info(
         "edgefleet_model",
         "The model serving now.",
-        _at(reasoning, "model"),
+        status_at(reasoning, "model"),
         ("name", "version", "sha256"),
     )
 
-    breaker = _at(reasoning, "breaker")
-    state = _at(breaker, "state")
+    breaker = status_at(reasoning, "breaker")
+    state = status_at(breaker, "state")
     if isinstance(state, str):
         out.one_gauge(
             "edgefleet_breaker_open",
             "1 while the breaker is open.",
             state != "closed",
         )
-    mode = _at(breaker, "mode")
+    mode = status_at(breaker, "mode")
     if isinstance(mode, str):
         out.gauge(
             "edgefleet_reasoning_mode",
@@ -485,18 +489,18 @@ def _families(s: Mapping[str, Any], out: _Out) -> None:
     out.one_counter(
         "edgefleet_breaker_trips_total",
         "Times the breaker opened.",
-        _at(breaker, "trips"),
+        status_at(breaker, "trips"),
     )
     out.one_counter(
         "edgefleet_breaker_recoveries_total",
         "Times the breaker closed again.",
-        _at(breaker, "recoveries"),
+        status_at(breaker, "recoveries"),
     )
 
-    queues = _at(s, "queues")
-    reasoning_q = _at(queues, "reasoning") or _at(reasoning, "queue")
-    memory_q = _at(queues, "memory")
-    memory = _at(s, "memory")
+    queues = status_at(s, "queues")
+    reasoning_q = status_at(queues, "reasoning") or status_at(reasoning, "queue")
+    memory_q = status_at(queues, "memory")
+    memory = status_at(s, "memory")
     out.counter(
         "edgefleet_drops_total",
         "What the agent dropped, by where: samples (buffer, late, not_in_window, "
@@ -504,94 +508,98 @@ def _families(s: Mapping[str, Any], out: _Out) -> None:
         "not stored (memory).",
         ["where"],
         [
-            (("buffer",), _at(s, "buffer", "dropped")),
-            (("late",), _at(s, "perception", "late_dropped")),
-            (("not_in_window",), _at(s, "perception", "unknown_signal")),
-            (("non_finite",), _at(s, "perception", "non_finite")),
-            (("skipped_windows",), _at(s, "perception", "windows_skipped")),
-            (("memory_queue",), _at(memory_q, "dropped")),
-            (("reasoning_queue",), _at(reasoning_q, "dropped")),
-            (("memory",), _at(memory, "dropped_windows")),
+            (("buffer",), status_at(s, "buffer", "dropped")),
+            (("late",), status_at(s, "perception", "late_dropped")),
+            (("not_in_window",), status_at(s, "perception", "unknown_signal")),
+            (("non_finite",), status_at(s, "perception", "non_finite")),
+            (("skipped_windows",), status_at(s, "perception", "windows_skipped")),
+            (("memory_queue",), status_at(memory_q, "dropped")),
+            (("reasoning_queue",), status_at(reasoning_q, "dropped")),
+            (("memory",), status_at(memory, "dropped_windows")),
         ],
     )
-    queue_list = [("buffer", _at(s, "buffer")), ("memory", memory_q), ("reasoning", reasoning_q)]
+    queue_list = [
+        ("buffer", status_at(s, "buffer")),
+        ("memory", memory_q),
+        ("reasoning", reasoning_q),
+    ]
     for key, name, doc in (
         ("depth", "edgefleet_queue_depth", "Items waiting in a bounded queue."),
         ("max", "edgefleet_queue_capacity", "A bounded queue's size."),
         ("high_water", "edgefleet_queue_high_water", "Most items a queue ever held."),
     ):
-        out.gauge(name, doc, ["queue"], (((q,), _at(v, key)) for q, v in queue_list))
+        out.gauge(name, doc, ["queue"], (((q,), status_at(v, key)) for q, v in queue_list))
 
     out.counter(
         "edgefleet_budget_overruns_total",
         "Windows on which a stage went over its latency budget.",
         ["stage"],
         [
-            (("perception",), _at(s, "perception", "budget_overruns")),
-            (("reasoning",), _at(breaker, "overruns")),
+            (("perception",), status_at(s, "perception", "budget_overruns")),
+            (("reasoning",), status_at(breaker, "overruns")),
         ],
     )
-    gates = _at(s, "gates")
+    gates = status_at(s, "gates")
     out.counter(
         "edgefleet_gate_runs_total",
         "Gate openings in which a stage ran.",
         ["stage"],
-        (((st,), _at(v, "runs")) for st, v in _items(_at(gates, "stages"))),
+        (((st,), status_at(v, "runs")) for st, v in _items(status_at(gates, "stages"))),
     )
     out.counter(
         "edgefleet_gate_skipped_total",
         "Stage turns skipped because an earlier stage of the entry ran past the close.",
         ["stage"],
-        (((st,), _at(v, "skipped")) for st, v in _items(_at(gates, "stages"))),
+        (((st,), status_at(v, "skipped")) for st, v in _items(status_at(gates, "stages"))),
     )
-    out.one_counter("edgefleet_gate_cycles_total", "Gate cycles run.", _at(gates, "cycles"))
+    out.one_counter("edgefleet_gate_cycles_total", "Gate cycles run.", status_at(gates, "cycles"))
     out.counter(
         "edgefleet_gate_overruns_total",
         "Stage runs that were still working when their gate closed.",
         ["stage"],
-        (((st,), _at(v, "overruns")) for st, v in _items(_at(gates, "stages"))),
+        (((st,), status_at(v, "overruns")) for st, v in _items(status_at(gates, "stages"))),
     )
-    entries = list(_items(_at(gates, "entries")))
+    entries = list(_items(status_at(gates, "entries")))
     out.counter(
         "edgefleet_gate_openings_total",
         "Times a gate entry opened.",
         ["entry"],
-        (((e,), _at(v, "openings")) for e, v in entries),
+        (((e,), status_at(v, "openings")) for e, v in entries),
     )
     out.counter(
         "edgefleet_gate_missed_total",
         "Gate entries skipped because the scheduler woke up after they had closed.",
         ["entry"],
-        (((e,), _at(v, "missed")) for e, v in entries),
+        (((e,), status_at(v, "missed")) for e, v in entries),
     )
     out.gauge(
         "edgefleet_gate_recent_lateness_seconds",
         "Recent gate lateness quantiles (quantile 1: max).",
         ["entry", "quantile"],
-        (((e, q), _at(v, "lateness_us", key)) for e, v in entries for key, q in _QUANTILES),
+        (((e, q), status_at(v, "lateness_us", key)) for e, v in entries for key, q in _QUANTILES),
         scale=1e-6,
     )
     out.counter(
         "edgefleet_stage_errors_total",
         "Gate runs of a stage that raised (logged; the stage carries on).",
         ["stage"],
-        (((st,), _at(v, "errors")) for st, v in _items(_at(s, "stages"))),
+        (((st,), status_at(v, "errors")) for st, v in _items(status_at(s, "stages"))),
     )
 
     # Recent latency quantiles: the top-level ``latency_us`` where the agent has it, else
     # what the stages report themselves.
     recent: dict[str, Any] = {}
-    for st, v in _items(_at(reasoning, "latency_us")):
+    for st, v in _items(status_at(reasoning, "latency_us")):
         recent[st] = v
-    if _at(memory, "latency_us") is not None:
-        recent["memory"] = _at(memory, "latency_us")
-    recent.update(_items(_at(s, "latency_us")))
+    if status_at(memory, "latency_us") is not None:
+        recent["memory"] = status_at(memory, "latency_us")
+    recent.update(_items(status_at(s, "latency_us")))
     out.gauge(
         "edgefleet_recent_latency_seconds",
         "Latency quantiles over the agent's recent windows (stage e2e: window close to "
         "decision; quantile 1: max).",
         ["stage", "quantile"],
-        (((st, q), _at(v, key)) for st, v in recent.items() for key, q in _QUANTILES),
+        (((st, q), status_at(v, key)) for st, v in recent.items() for key, q in _QUANTILES),
         scale=1e-6,
     )
     out.gauge(
@@ -599,7 +607,7 @@ def _families(s: Mapping[str, Any], out: _Out) -> None:
         "Windows the recent latency quantiles are computed over.",
         ["stage"],
         (
-            ((st,), _at(v, "n") if _at(v, "n") is not None else _at(v, "count"))
+            ((st,), status_at(v, "n") if status_at(v, "n") is not None else status_at(v, "count"))
             for st, v in recent.items()
         ),
     )
@@ -607,59 +615,59 @@ def _families(s: Mapping[str, Any], out: _Out) -> None:
     out.one_gauge(
         "edgefleet_memory_open",
         "1 while the memory store is open.",
-        _at(memory, "open"),
+        status_at(memory, "open"),
     )
     out.one_counter(
         "edgefleet_memory_rows_total",
         "State-change rows memory handed to the store writer.",
-        _at(memory, "rows"),
+        status_at(memory, "rows"),
     )
-    writer = _at(memory, "writer")
+    writer = status_at(memory, "writer")
     out.one_counter(
         "edgefleet_memory_committed_rows_total",
         "Rows the store writer committed.",
-        _at(writer, "committed_rows"),
+        status_at(writer, "committed_rows"),
     )
     out.one_counter(
         "edgefleet_memory_commit_errors_total",
         "Failed commits of the store writer.",
-        _at(writer, "commit_errors"),
+        status_at(writer, "commit_errors"),
     )
     out.one_gauge(
         "edgefleet_memory_writer_pending_rows",
         "Rows waiting for the store writer.",
-        _at(writer, "pending_rows"),
+        status_at(writer, "pending_rows"),
     )
     out.one_gauge(
         "edgefleet_memory_writer_max_pending_rows",
         "Rows the writer holds before memory drops windows.",
-        _at(writer, "max_pending_rows"),
+        status_at(writer, "max_pending_rows"),
     )
     out.one_gauge(
         "edgefleet_memory_ring_windows",
         "Windows in working memory.",
-        _at(memory, "ring", "windows"),
+        status_at(memory, "ring", "windows"),
     )
-    store = _at(memory, "store")
+    store = status_at(memory, "store")
     out.gauge(
         "edgefleet_memory_store_bytes",
         "Memory store file sizes (db, used, free, wal).",
         ["kind"],
-        (((k,), _at(store, f"{k}_bytes")) for k in ("db", "used", "free", "wal")),
+        (((k,), status_at(store, f"{k}_bytes")) for k in ("db", "used", "free", "wal")),
     )
     out.gauge(
         "edgefleet_memory_store_rows",
         "Rows per table of the memory store.",
         ["table"],
-        (((t,), n) for t, n in _items(_at(store, "rows"))),
+        (((t,), n) for t, n in _items(status_at(store, "rows"))),
     )
     out.one_counter(
         "edgefleet_memory_snapshots_total",
         "Snapshots of the memory store taken.",
-        _at(memory, "snapshots", "taken"),
+        status_at(memory, "snapshots", "taken"),
     )
 
-    sources = list(_items(_at(s, "sources")))
+    sources = list(_items(status_at(s, "sources")))
     out.gauge(
         "edgefleet_source_up",
         "1 while a source has its bus open, its device connected or data flowing.",
@@ -676,7 +684,7 @@ def _families(s: Mapping[str, Any], out: _Out) -> None:
         "edgefleet_source_restarts_total",
         "Times the agent restarted a failed source.",
         ["source"],
-        (((name,), _at(v, "restarts")) for name, v in sources),
+        (((name,), status_at(v, "restarts")) for name, v in sources),
     )
 
 

@@ -53,7 +53,7 @@ from edge_agent import __version__
 from edge_agent.api import HealthApi
 from edge_agent.config import AgentConfig
 from edge_agent.errors import ModelMismatch, ReasoningError, ServiceError
-from edge_agent.gates import GateScheduler
+from edge_agent.gates import GateScheduler, uplink_priority
 from edge_agent.gcl import STAGES
 from edge_agent.memory.stage import MemoryStage
 from edge_agent.metrics import AgentMetrics
@@ -243,7 +243,7 @@ class Agent:
     def _uplink_priority(self) -> int | None:
         """The ``SO_PRIORITY`` of the schedule's ``uplink`` traffic class, if it has one."""
         try:
-            return self.gcl.priority("uplink")
+            return uplink_priority(self.gcl)
         except KeyError:
             return None
 
