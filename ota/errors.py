@@ -1,0 +1,137 @@
+"""The one error tree of ``ota``: the root of each branch says who is at fault.
+
+::
+
+    OtaError
+     ├── BundleRejected          the bundle is at fault; never retried (``permanent``)
+     │    ├── MalformedBundle    tar layout, sizes, manifest JSON or schema
+     │    ├── SignatureInvalid   signatures missing, malformed, unknown keys, threshold unmet
+     │    ├── BundleExpired      the manifest's ``expires`` has passed
+     │    ├── Incompatible       device type or agent version outside ``compat``
+     │    ├── PermissionDenied   ``required_permissions`` not granted by the device policy
+     │    ├── RollbackRejected   ``counter`` below the committed floor of its kind
+     │    │    └── AlreadyInstalled  ``counter`` equal to the floor: nothing to do
+     │    └── PayloadMismatch    a payload's length or sha256 (or its delta result) differs
+     ├── TrustError              the device's trust root is missing, invalid, expired, or a
+     │                           new root was refused (the TUF rule); nothing is accepted
+     ├── FetchError              the transport failed (transient: retried with backoff)
+     │    ├── FetchStalled       no byte arrived within the stall timeout
+     │    └── FetchTooLarge      the peer sent more than the declared length (permanent)
+     └── ApplyError              the device could not stage or activate a verified bundle
+          ├── StorageError       writing the store or a slot failed (disk full, I/O)
+          └── ActivationError    the new version could not be switched in (load, swap)
+
+Every error carries ``code`` (a short stable name for status reports and the fleet's retry
+policy) and ``permanent`` (true when retrying the same bundle cannot succeed).
+"""
+
+from __future__ import annotations
+
+
+class OtaError(Exception):
+    """Root of every error raised by ``ota``."""
+
+    code = "ota_error"
+    permanent = False
+
+
+class BundleRejected(OtaError):
+    """The bundle itself is refused; fetching or applying it again cannot help."""
+
+    code = "rejected"
+    permanent = True
+
+
+class MalformedBundle(BundleRejected):
+    """The bundle's layout is wrong: tar members, sizes, manifest syntax or schema."""
+
+    code = "malformed"
+
+
+class SignatureInvalid(BundleRejected):
+    """Signatures are missing or malformed, made by unknown keys, or below the threshold."""
+
+    code = "bad_signature"
+
+
+class BundleExpired(BundleRejected):
+    """The manifest's ``expires`` is in the past."""
+
+    code = "expired"
+
+
+class Incompatible(BundleRejected):
+    """The bundle is not for this device: device type or agent version outside ``compat``."""
+
+    code = "incompatible"
+
+
+class PermissionDenied(BundleRejected):
+    """The device policy does not grant a permission the bundle requires."""
+
+    code = "permission_denied"
+
+
+class RollbackRejected(BundleRejected):
+    """The bundle's counter is below the committed anti-rollback floor of its kind."""
+
+    code = "downgrade"
+
+
+class AlreadyInstalled(RollbackRejected):
+    """The bundle's counter equals the committed floor: this version is already installed."""
+
+    code = "already_installed"
+
+
+class PayloadMismatch(BundleRejected):
+    """A payload's length or sha256, or the result of its delta patch, is not as declared."""
+
+    code = "payload_mismatch"
+
+
+class TrustError(OtaError):
+    """The trust root is missing, unreadable, invalid or expired, or a rotation was refused.
+
+    Without a trust root the device accepts nothing (fail closed).
+    """
+
+    code = "trust"
+    permanent = True
+
+
+class FetchError(OtaError):
+    """Fetching a bundle failed in transport: connection, HTTP/CoAP status, resume refused."""
+
+    code = "fetch"
+
+
+class FetchStalled(FetchError):
+    """No data arrived within the stall timeout."""
+
+    code = "fetch_stalled"
+
+
+class FetchTooLarge(FetchError):
+    """The peer sent more bytes than the declared length; the transfer was cut there."""
+
+    code = "fetch_too_large"
+    permanent = True
+
+
+class ApplyError(OtaError):
+    """A verified bundle could not be staged or activated on this device."""
+
+    code = "apply"
+
+
+class StorageError(ApplyError):
+    """Writing the content store, the journal or a slot failed (disk full, I/O error)."""
+
+    code = "storage"
+
+
+class ActivationError(ApplyError):
+    """The new version could not be switched in (the model or config did not load)."""
+
+    code = "activation"
