@@ -1,0 +1,166 @@
+"""The signed part of a bundle's ``manifest.json``, as a typed, checked value.
+
+DESIGN.md section 5 fixes the fields and their JSON types; this module adds the limits a
+device needs before it trusts a number (lengths, counts, seconds). Unknown fields are
+allowed and ignored: they are signed, so a newer fleet may add some without breaking old
+agents. Only :mod:`ota.verify` calls :func:`parse_signed`, after the signature checked out.
+
+A delta payload (``delta_from``) also names its patch: ``patch = {"length", "sha256"}`` of
+the member bytes in the bundle, so the patch is checked before bsdiff parses it; the
+payload's own ``length`` and ``sha256`` are those of the result.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+import msgspec
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+from ota.errors import MalformedBundle
+from ota.timefmt import parse_utc
+
+Kind = Literal["model", "config", "agent"]
+KINDS: tuple[Kind, ...] = ("model", "config", "agent")
+
+#: Per payload and in total; an agent wheel with its dependencies stays far below.
+MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
+MAX_PAYLOADS = 64
+MAX_PROBATION_S = 3600
+
+Sha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")]
+#: A payload name is a tar member name: one path component, no leading dot.
+MemberName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,99}$")]
+Length = Annotated[int, msgspec.Meta(ge=0, le=MAX_PAYLOAD_BYTES)]
+SemVer = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+        r"(-[0-9A-Za-z.\-]{1,64})?(\+[0-9A-Za-z.\-]{1,64})?$"
+    ),
+]
+Stamp = Annotated[str, msgspec.Meta(pattern=r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$")]
+
+
+class Patch(msgspec.Struct, frozen=True):
+    length: Length
+    sha256: Sha256
+
+
+class Payload(msgspec.Struct, frozen=True):
+    name: MemberName
+    length: Length
+    sha256: Sha256
+    delta_from: Sha256 | None = None
+    patch: Patch | None = None
+
+    @property
+    def member_length(self) -> int:
+        """The bytes of this payload's tar member: the patch for a delta, else the file."""
+        return self.patch.length if self.patch is not None else self.length
+
+    @property
+    def member_sha256(self) -> str:
+        return self.patch.sha256 if self.patch is not None else self.sha256
+
+
+class Compat(msgspec.Struct, frozen=True):
+    device_types: Annotated[list[Name], msgspec.Meta(min_length=1, max_length=256)]
+    agent: Annotated[str, msgspec.Meta(max_length=256)] = ""
+
+
+class Probation(msgspec.Struct, frozen=True):
+    """How long the new version is watched, and the limits it must keep meanwhile."""
+
+    seconds: Annotated[int, msgspec.Meta(ge=0, le=MAX_PROBATION_S)] = 3
+    #: Reasoning-stage P99 over the probation, µs (0: only the +regression_pct rule).
+    p99_us: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] = 0
+    #: Allowed P99 growth against the same device's pre-update baseline, percent.
+    regression_pct: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 15
+    #: Allowed resident-memory growth against the pre-update baseline, percent.
+    memory_pct: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 10
+    #: Windows the new version must score before a pass is possible (no signal = failure).
+    min_windows: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10
+
+
+class Signed(msgspec.Struct, frozen=True):
+    bundle_id: Name
+    kind: Kind
+    version: SemVer
+    counter: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+    expires: Stamp
+    compat: Compat
+    required_permissions: Annotated[list[Name], msgspec.Meta(max_length=64)]
+    payloads: Annotated[list[Payload], msgspec.Meta(min_length=1, max_length=MAX_PAYLOADS)]
+    probation: Probation = Probation()
+    description: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+
+    @property
+    def expires_at(self) -> datetime:
+        when = parse_utc(self.expires)
+        assert when is not None  # the Stamp pattern and parse_signed made sure
+        return when
+
+    @property
+    def agent_range(self) -> SpecifierSet:
+        return SpecifierSet(self.compat.agent)
+
+    def payload(self, name: str) -> Payload:
+        for p in self.payloads:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+#: Payloads each kind must carry (names are what the device looks for).
+REQUIRED_PAYLOADS: dict[str, tuple[str, ...]] = {
+    "model": ("model.tflite", "model.json"),
+    "config": ("agent.toml",),
+    "agent": (),
+}
+_WHEEL = re.compile(r"^[A-Za-z0-9_.]+-[A-Za-z0-9_.!+]+(-[A-Za-z0-9_.]+){3}\.whl$")
+
+
+def parse_signed(signed: dict[str, Any]) -> Signed:
+    """Check ``signed`` field by field; :class:`MalformedBundle` names the first fault."""
+    try:
+        m = msgspec.convert(signed, Signed, strict=True)
+    except msgspec.ValidationError as exc:
+        reason, _, where = str(exc).partition(" - at `")
+        path = where.rstrip("`").replace("$", "signed", 1) if where else "signed"
+        raise MalformedBundle(f"manifest: {path}: {reason}") from None
+    if parse_utc(m.expires) is None:
+        raise MalformedBundle(f"manifest: signed.expires: not a real instant: {m.expires!r}")
+    try:
+        SpecifierSet(m.compat.agent)
+    except InvalidSpecifier:
+        raise MalformedBundle(
+            f"manifest: signed.compat.agent: not a PEP 440 version range: {m.compat.agent!r}"
+        ) from None
+    names = [p.name for p in m.payloads]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise MalformedBundle(f"manifest: signed.payloads: duplicate name(s) {dupes}")
+    if "manifest.json" in names:
+        raise MalformedBundle("manifest: signed.payloads: 'manifest.json' is the manifest")
+    for i, p in enumerate(m.payloads):
+        if (p.delta_from is None) != (p.patch is None):
+            raise MalformedBundle(
+                f"manifest: signed.payloads[{i}]: delta_from and patch go together"
+            )
+    total = sum(p.member_length for p in m.payloads)
+    if total > MAX_PAYLOAD_BYTES:
+        raise MalformedBundle(
+            f"manifest: payloads total {total} bytes; at most {MAX_PAYLOAD_BYTES}"
+        )
+    missing = [n for n in REQUIRED_PAYLOADS[m.kind] if n not in names]
+    if missing:
+        raise MalformedBundle(f"manifest: a {m.kind} bundle needs payload(s) {missing}")
+    if m.kind == "agent":
+        wheels = [n for n in names if n.endswith(".whl")]
+        if len(wheels) != 1 or not _WHEEL.match(wheels[0]):
+            raise MalformedBundle("manifest: an agent bundle carries exactly one wheel (*.whl)")
+    return m

@@ -1,0 +1,270 @@
+"""The gatekeeper: the only code that turns bundle bytes into a :class:`VerifiedBundle`.
+
+Order matters and is fixed (as in python-tuf's trusted metadata set): nothing of the
+manifest is believed before its signatures are, and no payload byte is used before the
+manifest is. Step by step:
+
+1. a trust root is configured and not expired (no root: every bundle is refused);
+2. the file's size is capped; the first member is ``manifest.json`` and its declared size
+   is capped before a byte of it is read;
+3. the manifest is strict JSON; ``signed`` is signed by a threshold of the root's
+   ``bundles`` keys over its canonical bytes (a key counts once);
+4. ``signed`` is checked field by field; then expiry, compat (device type, agent version),
+   permissions (the device's grant), anti-rollback (counter above the kind's floor; equal
+   is "already installed");
+5. the members after the manifest are exactly the listed payloads, in the listed order,
+   each with its declared length; each payload's sha256 is computed while streaming;
+   then only zero padding may follow;
+6. a delta payload's patch is checked like any payload, then applied to its base from the
+   store, and the result's length and sha256 are checked before it is kept;
+7. staging: the bundle is kept whole in the content store and its payloads indexed.
+
+Every failure is a typed :class:`~ota.errors.BundleRejected` (the bundle's fault), a
+:class:`~ota.errors.TrustError` (the device's root) or a
+:class:`~ota.errors.StorageError` (the device's disk), with what and where.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import bsdiff4
+from packaging.version import InvalidVersion, Version
+
+from ota.canonical import canonical, loads_strict
+from ota.efb import BundleReader
+from ota.errors import (
+    AlreadyInstalled,
+    BundleExpired,
+    Incompatible,
+    MalformedBundle,
+    PayloadMismatch,
+    PermissionDenied,
+    RollbackRejected,
+    SignatureInvalid,
+    TrustError,
+)
+from ota.manifest import Payload, Signed, parse_signed
+from ota.store import ContentStore
+from ota.trust import TrustRoot, signers, split_envelope
+
+MAX_MANIFEST_BYTES = 64 * 1024
+MAX_BUNDLE_BYTES = 1024 * 1024 * 1024
+#: bsdiff4 needs the base, the patch and the result in memory at once.
+MAX_DELTA_BYTES = 256 * 1024 * 1024
+
+_TOKEN = object()
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What this device is and what it lets bundles do (from its config)."""
+
+    device_type: str
+    agent_version: str
+    permissions: frozenset[str]
+    max_bundle_bytes: int = MAX_BUNDLE_BYTES
+    max_manifest_bytes: int = MAX_MANIFEST_BYTES
+
+
+@dataclass(frozen=True)
+class VerifiedBundle:
+    """A bundle whose every check passed, its payloads staged in the content store.
+
+    Only :func:`verify_bundle` makes one (a private token guards the constructor), so any
+    code holding a VerifiedBundle holds verified bytes: staging and activation accept
+    nothing else.
+    """
+
+    signed: Signed
+    #: sha256 of the canonical ``signed`` bytes: the bundle's identity.
+    manifest_sha256: str
+    #: payload name -> sha256 in the content store (a delta's *result*).
+    payloads: Mapping[str, str]
+    path: Path
+    _token: object = field(repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self._token is not _TOKEN:
+            raise TypeError("only ota.verify.verify_bundle makes a VerifiedBundle")
+
+    @property
+    def kind(self) -> str:
+        return self.signed.kind
+
+    @property
+    def version(self) -> str:
+        return self.signed.version
+
+
+def _check_policy(m: Signed, policy: Policy, floors: Mapping[str, int], now: datetime) -> None:
+    if now >= m.expires_at:
+        raise BundleExpired(f"bundle {m.bundle_id} {m.version}: expired at {m.expires}")
+    if policy.device_type not in m.compat.device_types:
+        raise Incompatible(
+            f"bundle {m.bundle_id}: for device types {m.compat.device_types}; "
+            f"this device is {policy.device_type!r}"
+        )
+    if m.compat.agent:
+        try:
+            ok = Version(policy.agent_version) in m.agent_range
+        except InvalidVersion:
+            ok = False
+        if not ok:
+            raise Incompatible(
+                f"bundle {m.bundle_id}: needs agent {m.compat.agent}; "
+                f"this agent is {policy.agent_version}"
+            )
+    missing = sorted(set(m.required_permissions) - policy.permissions)
+    if missing:
+        raise PermissionDenied(
+            f"bundle {m.bundle_id}: requires {missing}, which this device's policy does not "
+            f"grant (granted: {sorted(policy.permissions) or 'none'})"
+        )
+    floor = floors.get(m.kind)
+    if floor is not None:
+        if m.counter < floor:
+            raise RollbackRejected(
+                f"bundle {m.bundle_id} {m.version}: counter {m.counter} is below the "
+                f"committed {m.kind} floor {floor} (downgrade refused)"
+            )
+        if m.counter == floor:
+            raise AlreadyInstalled(
+                f"bundle {m.bundle_id} {m.version}: counter {m.counter} is already installed"
+            )
+
+
+def read_manifest(
+    reader: BundleReader, root: TrustRoot, now: datetime, *, max_bytes: int
+) -> tuple[Signed, str]:
+    """Steps 2-4 up to the policy: the manifest member, its signatures, its schema."""
+    first = reader.next_member()
+    if first is None:
+        raise MalformedBundle("empty bundle: no members")
+    if first.name != "manifest.json":
+        raise MalformedBundle(f"member 0 is {first.name!r}; the first member must be manifest.json")
+    if first.size > max_bytes:
+        raise MalformedBundle(f"manifest.json: {first.size} bytes; the limit is {max_bytes}")
+    data = b"".join(bytes(c) for c in reader.read(first))
+    doc = loads_strict(data, what="manifest.json", max_bytes=max_bytes)
+    signed, sigs = split_envelope(doc, what="manifest.json")
+    body = canonical(signed)
+    role = root.roles["bundles"]
+    ok = signers(body, sigs, role, root.keys, now, what="manifest.json")
+    if len(ok) < role.threshold:
+        raise SignatureInvalid(
+            f"manifest.json: {len(ok)} valid signature(s) by trusted bundle keys; "
+            f"the threshold is {role.threshold}"
+        )
+    return parse_signed(signed), hashlib.sha256(body).hexdigest()
+
+
+def verify_bundle(
+    path: Path,
+    *,
+    root: TrustRoot | None,
+    policy: Policy,
+    floors: Mapping[str, int],
+    now: datetime,
+    store: ContentStore,
+    keep_source: bool = False,
+) -> VerifiedBundle:
+    """Check every byte of the bundle at ``path`` and stage it; see the module docstring.
+
+    ``floors`` maps a kind to its committed anti-rollback counter. ``keep_source`` copies
+    the file into the store instead of moving it (a user's file). Runs blocking I/O and
+    hashing: call it in a thread from the event loop.
+    """
+    if root is None:
+        raise TrustError("no trust root configured: every bundle is refused")
+    root.require_current(now)
+    try:
+        size = path.stat().st_size
+        f = path.open("rb")
+    except OSError as exc:
+        raise MalformedBundle(f"{path.name}: cannot read: {exc.strerror}") from None
+    with f:
+        if size > policy.max_bundle_bytes:
+            raise MalformedBundle(
+                f"{path.name}: {size} bytes; the limit is {policy.max_bundle_bytes}"
+            )
+        if size == 0:
+            raise MalformedBundle(f"{path.name}: empty file")
+        reader = BundleReader(f, size)
+        m, manifest_sha = read_manifest(reader, root, now, max_bytes=policy.max_manifest_bytes)
+        _check_policy(m, policy, floors, now)
+
+        refs: dict[str, tuple[int, int]] = {}
+        patches: dict[str, bytes] = {}
+        for i, p in enumerate(m.payloads, start=1):
+            member = reader.next_member()
+            if member is None:
+                raise MalformedBundle(
+                    f"payload {p.name!r} is missing (the bundle ends at member {i})"
+                )
+            if member.name != p.name:
+                listed = [q.name for q in m.payloads]
+                why = "out of order" if member.name in listed else "not listed in the manifest"
+                raise MalformedBundle(f"member {i} is {member.name!r} ({why}); expected {p.name!r}")
+            if member.size != p.member_length:
+                raise PayloadMismatch(
+                    f"payload {p.name!r}: {member.size} bytes in the bundle; "
+                    f"the manifest declares {p.member_length}"
+                )
+            h = hashlib.sha256()
+            keep = bytearray() if p.delta_from is not None else None
+            for chunk in reader.read(member):
+                h.update(chunk)
+                if keep is not None:
+                    keep += chunk
+            if h.hexdigest() != p.member_sha256:
+                raise PayloadMismatch(f"payload {p.name!r}: sha256 differs from the manifest")
+            if keep is None:
+                refs[p.sha256] = (member.offset, member.size)
+            else:
+                patches[p.name] = bytes(keep)
+        extra = reader.next_member()
+        if extra is not None:
+            raise MalformedBundle(
+                f"member {extra.index} {extra.name!r}: not listed in the manifest (extra member)"
+            )
+
+    blobs: dict[str, bytes] = {}
+    for p in m.payloads:
+        if p.delta_from is None:
+            continue
+        blobs[p.sha256] = _apply_delta(p.name, p.delta_from, patches[p.name], p, store)
+    staged = store.stage(path, manifest_sha, refs, blobs, keep_source=keep_source)
+    return VerifiedBundle(
+        signed=m,
+        manifest_sha256=manifest_sha,
+        payloads={p.name: p.sha256 for p in m.payloads},
+        path=staged,
+        _token=_TOKEN,
+    )
+
+
+def _apply_delta(name: str, base_sha: str, patch: bytes, p: Payload, store: ContentStore) -> bytes:
+    if p.length > MAX_DELTA_BYTES:
+        raise MalformedBundle(
+            f"payload {name!r}: a delta result of {p.length} bytes is over the cap"
+        )
+    if not store.has(base_sha):
+        raise Incompatible(
+            f"payload {name!r}: delta against {base_sha[:12]}, which this device does not have"
+        )
+    base = store.read(base_sha, max_bytes=MAX_DELTA_BYTES)
+    try:
+        result: bytes = bsdiff4.patch(base, patch)
+    # bsdiff4's C code raises ValueError, MemoryError or a bare Exception on a bad patch.
+    except Exception as exc:  # noqa: BLE001
+        raise PayloadMismatch(f"payload {name!r}: the delta patch does not apply: {exc}") from None
+    if len(result) != p.length or hashlib.sha256(result).hexdigest() != p.sha256:
+        raise PayloadMismatch(
+            f"payload {name!r}: the patched result differs from the manifest's length/sha256"
+        )
+    return result
