@@ -82,6 +82,11 @@ class AgentView(Protocol):
         """``ok`` or ``degraded``: the agent's own judgement."""
         ...
 
+    async def ota_request(self, action: str, arg: str) -> tuple[int, Mapping[str, Any]]:
+        """``install`` a bundle file at path ``arg`` or ``rollback`` kind ``arg``: the HTTP
+        status and the outcome (what ``edge-agent ota`` prints)."""
+        ...
+
 
 Handler = Callable[["web.Request"], Awaitable["web.StreamResponse"]]
 
@@ -129,6 +134,7 @@ class HealthApi:
         app.router.add_post("/v1/health", self._health)
         app.router.add_get("/v1/status", self._status)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/ota/{action:install|rollback}", self._ota)
         runner = web.AppRunner(
             app,
             access_log=logging.getLogger(f"{__name__}.access") if self.section.access_log else None,
@@ -175,6 +181,21 @@ class HealthApi:
             log.exception("health probe from %s failed", probe.sensor_id)
             return _json({"error": f"probe failed: {type(exc).__name__}: {exc}"}, status=500)
         return _json({"status": health, **result.to_json()})
+
+    async def _ota(self, request: web.Request) -> web.StreamResponse:
+        """``{"path": FILE}`` to install (the bundle is verified like any other; the API only
+        listens on loopback) or ``{"kind": "model"}`` to roll back."""
+        action = request.match_info["action"]
+        try:
+            body = await request.json()
+        except ValueError:
+            return _json({"error": "expected a JSON object", "where": "body"}, status=400)
+        key = "path" if action == "install" else "kind"
+        arg = body.get(key) if isinstance(body, dict) else None
+        if not isinstance(arg, str) or not arg or len(arg) > 4096:
+            return _json({"error": f"expected a string {key!r}", "where": key}, status=400)
+        status, outcome = await self.view.ota_request(action, arg)
+        return _json(outcome, status=status)
 
     async def _status(self, request: web.Request) -> web.StreamResponse:
         return _json(self.view.status())

@@ -23,6 +23,7 @@ from edge_agent import __version__
 from edge_agent.config import AgentConfig, load_config
 from edge_agent.errors import ConfigError, ModelMismatch, ReasoningError, ServiceError
 from edge_agent.memory.cli import memory_app
+from edge_agent.ota_cli import ota_app
 from edge_agent.tsn import tsn_app
 from edge_agent.uplink.errors import UplinkError
 
@@ -42,6 +43,7 @@ app = typer.Typer(
 )
 
 app.add_typer(memory_app, name="memory", help="Inspect, snapshot and restore the memory store.")
+app.add_typer(ota_app, name="ota", help="OTA updates: status, install a bundle file, roll back.")
 app.add_typer(
     tsn_app, name="tsn", help="Render or apply the gate schedule as a taprio qdisc (802.1Qbv)."
 )

@@ -18,7 +18,7 @@ import tomllib
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -40,6 +40,7 @@ from edge_agent.breaker import BreakerSpec, DegradedMode
 from edge_agent.errors import ConfigError
 from edge_agent.gcl import GateControlList, ScheduleSection, window_close_phase_ns
 from edge_agent.memory.config import MemorySection
+from edge_agent.ota_config import OtaSection
 from edge_agent.perception import Interpolation, PerceptionSpec
 from edge_agent.rules import (
     DROPOUT,
@@ -203,6 +204,7 @@ class AgentConfigModel(StrictModel):
     schedule: ScheduleSection = Field(default_factory=ScheduleSection)
     api: ApiSection = Field(default_factory=ApiSection)
     uplink: UplinkSection = Field(default_factory=UplinkSection)
+    ota: OtaSection = Field(default_factory=OtaSection)
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +246,8 @@ class AgentConfig:
     api: ApiSection
     #: ``[uplink]`` with its file paths (TLS, password) resolved against the config's folder.
     uplink: UplinkSection
+    #: ``[ota]``; ``trust_root`` stays as written (resolved against ``path`` when used).
+    ota: OtaSection = field(default_factory=OtaSection)
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -658,6 +662,7 @@ def _convert(model: AgentConfigModel, path: Path, base: Path) -> AgentConfig:
         ),
         api=model.api,
         uplink=resolve_uplink(model.uplink, base),
+        ota=model.ota,
     )
 
 

@@ -39,7 +39,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ from edge_agent.gates import GateScheduler, uplink_priority
 from edge_agent.gcl import STAGES
 from edge_agent.memory.stage import MemoryStage
 from edge_agent.metrics import AgentMetrics
+from edge_agent.ota import AgentOta
 from edge_agent.perception import Aligner, Window
 from edge_agent.probe import Probe, ProbeResult, run_probe
 from edge_agent.reasoning import (
@@ -162,7 +163,8 @@ class Agent:
         self.started_mono = time.monotonic()
         self.buffer = SampleBuffer(config.queue_size)
         self.aligner = Aligner(config.perception)
-        self.stage = build_stage(config) if config.reasoning.enabled else None
+        self.ota: AgentOta | None = AgentOta(self, config.ota) if config.ota.enabled else None
+        self.stage = self._build_stage() if config.reasoning.enabled else None
         # Opening the store (lock, integrity check, migrations) happens in run().
         self.memory = (
             MemoryStage(
@@ -227,6 +229,7 @@ class Agent:
                 model_sha256=self._model_sha256,
                 priority=self._uplink_priority(),
                 clock_ns=clock_ns,
+                on_command=self._on_command,
             )
             self.telemetry = TelemetryAggregator(signals, up.telemetry_period_ms * 1_000_000)
             if up.delta.enabled:
@@ -236,6 +239,27 @@ class Agent:
                     deadband=up.delta.deadband,
                     keyframe_every=up.delta.keyframe_every,
                 )
+
+    def _build_stage(self) -> ReasoningStage:
+        """The stage with the model the OTA journal says is live (else the configured one)."""
+        config = self.config
+        ota_model = self.ota.model_dir_at_start() if self.ota is not None else None
+        if ota_model is not None:
+            ota_config = replace(config, reasoning=replace(config.reasoning, model_dir=ota_model))
+            try:
+                return build_stage(ota_config)
+            except ReasoningError as exc:
+                log.error("ota: the active OTA model does not load (%s); the factory one runs", exc)
+        stage = build_stage(config)
+        if self.ota is not None:
+            self.ota.factory_sha = stage.model.sha256
+        return stage
+
+    def _on_command(self, name: str, payload: bytes) -> None:
+        if name == "ota" and self.ota is not None:
+            self.ota.on_command(name, payload)
+        else:
+            log.info("command %r ignored (no handler)", name[:128])
 
     def _model_sha256(self) -> str:
         return self.stage.model.sha256 if self.stage is not None else ""
@@ -277,6 +301,9 @@ class Agent:
                         f"health API cannot listen on {api.host}:{api.port}: "
                         f"{exc.strerror or exc}; change [api] port (or set enabled = false)"
                     ) from None
+            if self.ota is not None:
+                # Before any window is scored: finish or undo what a crash interrupted.
+                await self.ota.start()
             async with asyncio.TaskGroup() as tg:
                 tasks = [
                     tg.create_task(self._keep_running(src), name=f"source:{src.name}")
@@ -490,6 +517,8 @@ class Agent:
             self.memory.record_decision(d, now_ns=d.t_ns, window_seq=d.window_seq)
         if self.uplink is not None:
             self.uplink.publish_decision(d)
+        if self.ota is not None:
+            self.ota.on_decision(d)
         # End to end: from the instant the window could close (its last grid point plus
         # the lateness allowance) to its decision.
         e2e_ns = d.t_ns - (window.end_ns + self._lateness_ns)
@@ -556,6 +585,22 @@ class Agent:
             reasoning=self.stage,
             now_ns=self.clock_ns(),
         )
+
+    async def ota_request(self, action: str, arg: str) -> tuple[int, Mapping[str, Any]]:
+        if self.ota is None:
+            return 409, {"result": "failed", "reason": "OTA is disabled ([ota] enabled = false)"}
+        if action == "install":
+            path = Path(arg)
+            if not path.is_absolute():
+                return 400, {"result": "failed", "reason": f"not an absolute path: {arg}"}
+            outcome = await self.ota.install_file(path)
+        else:
+            if arg not in ("model", "config", "agent"):
+                return 400, {"result": "failed", "reason": f"unknown kind {arg!r}"}
+            outcome = await self.ota.updater.rollback(arg)
+        done = "committed" if action == "install" else "rolled_back"
+        code = {done: 200, "restart": 202, "busy": 409}.get(outcome.result, 422)
+        return code, {"result": outcome.result, "reason": outcome.reason, "code": outcome.code}
 
     def health_status(self) -> str:
         """``ok``, or ``degraded`` when a source is down, reasoning degraded or a stage failing."""
@@ -747,6 +792,7 @@ class Agent:
             "memory": self.memory.stats() if self.memory is not None else {"enabled": False},
             "gates": self.scheduler.snapshot(),
             "uplink": self.uplink.stats() if self.uplink is not None else {"enabled": False},
+            "ota": self.ota.status() if self.ota is not None else {"enabled": False},
             "latency_us": latency,
             "sources": {
                 s.name: {

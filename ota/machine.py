@@ -117,6 +117,9 @@ class Update:
     reason: str = ""
     #: agent builds: the boot that activated it (probation runs in the next boot)
     boot_id: str = ""
+    #: the device before the switch, for the regression rule (survives a restart)
+    baseline_p50_us: float | None = None
+    baseline_rss: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -131,6 +134,8 @@ class Update:
             "probation_s": self.probation_s,
             "reason": self.reason,
             "boot_id": self.boot_id,
+            "baseline_p50_us": self.baseline_p50_us,
+            "baseline_rss": self.baseline_rss,
         }
 
     @classmethod
@@ -147,7 +152,17 @@ class Update:
             probation_s=int(d.get("probation_s", 0)),
             reason=str(d.get("reason", "")),
             boot_id=str(d.get("boot_id", "")),
+            baseline_p50_us=_opt_float(d.get("baseline_p50_us")),
+            baseline_rss=_opt_int(d.get("baseline_rss")),
         )
+
+
+def _opt_float(v: object) -> float | None:
+    return None if v is None else float(v)  # type: ignore[arg-type]
+
+
+def _opt_int(v: object) -> int | None:
+    return None if v is None else int(v)  # type: ignore[call-overload]
 
 
 @dataclass(frozen=True)
@@ -273,11 +288,13 @@ def step(
     elif event == "verified":
         if target is None:
             raise ValueError("verified needs the target")
-        up = replace(_up(up, event), target=target, kind=target.kind, version=target.version)
+        up = replace(
+            update or _up(up, event), target=target, kind=target.kind, version=target.version
+        )
     elif event == "activate":
         # The pointer switch: from here on the new version is the live one.
         tgt = _target(up, event)
-        up = replace(_up(up, event), replaced=active.get(tgt.kind))
+        up = replace(update or _up(up, event), replaced=active.get(tgt.kind))
         active[tgt.kind] = tgt
     elif event == "committed":
         tgt = _target(up, event)

@@ -90,6 +90,10 @@ class PipelineView:
     def health_status(self) -> str:
         return "degraded" if self.reasoning.breaker.mode != "full" else "ok"
 
+    async def ota_request(self, action: str, arg: str) -> tuple[int, Mapping[str, Any]]:
+        # This view has no updater; the agent's own OTA path is tested in test_ota_agent.
+        return 409, {"result": "failed", "reason": f"no OTA here ({action} {arg})"}
+
     def status(self) -> Mapping[str, Any]:
         return {
             "agent": {"version": "test", "loop": "asyncio", "uptime_s": 1.5, "health": "ok"},

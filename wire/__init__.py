@@ -5,6 +5,7 @@ Defined once, here, and imported by both sides (``edge_agent.uplink`` publishes 
 :mod:`wire.messages`.
 """
 
+from wire.commands import OtaCommand, decode_command, encode_command
 from wire.messages import (
     KINDS,
     MAX_PAYLOAD_BYTES,
@@ -28,6 +29,7 @@ __all__ = [
     "DecisionMsg",
     "Envelope",
     "Message",
+    "OtaCommand",
     "OtaStatusMsg",
     "SignalStats",
     "StateMsg",
@@ -36,7 +38,9 @@ __all__ = [
     "Topic",
     "WireError",
     "decode",
+    "decode_command",
     "encode",
+    "encode_command",
     "parse_topic",
     "topic",
 ]

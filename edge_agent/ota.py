@@ -1,0 +1,427 @@
+"""OTA in the running agent: the ``[ota]`` section, the activator and the wiring.
+
+The updater (:mod:`ota.updater`) decides; this module does what only the agent can:
+
+- **model** bundles: the payloads are materialised as a model directory under
+  ``state_dir/ota/models/<sha>/`` and swapped in through :meth:`Agent.reload_model`
+  (load and check in a thread, one assignment between two windows: no window missed);
+  the replaced model stays in memory, so a rollback is one more swap, not a reload;
+- **config** bundles: the new ``agent.toml`` is validated as a whole; its ``[reasoning]``
+  rules and thresholds are swapped in between two windows (re-preparing the serving model
+  with the new rules). A config that changes anything else (sources, perception, ...)
+  is refused at activation: those need a restart, which a config bundle does not do yet;
+- probation evidence: decisions scored by the new version, the reasoning stage's latency
+  (µs, from each Decision), inference errors, resident memory, and the health API asked
+  over HTTP (in-process when the API is off).
+
+Offers arrive on ``.../cmd/ota`` (:class:`wire.OtaCommand`); every transition goes out on
+``.../ota/status`` through the outbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edge_agent import __version__
+from edge_agent.config import parse_config
+from edge_agent.errors import AgentError, ConfigError, ReasoningError
+from edge_agent.ota_config import OtaSection
+from edge_agent.probe import parse_probe
+from ota.errors import ActivationError, StorageError
+from ota.machine import Installed, Journal
+from ota.probation import Baseline, Observation
+from ota.store import ContentStore
+from ota.updater import Outcome, Updater
+from ota.verify import Policy
+from wire import OtaStatusMsg, WireError, decode_command
+
+if TYPE_CHECKING:
+    from edge_agent.config import AgentConfig
+    from edge_agent.reasoning import Scorer
+    from edge_agent.rules import Decision
+    from edge_agent.service import Agent
+
+log = logging.getLogger(__name__)
+
+#: Decisions remembered for a probation's P99 (3 s at 100 Hz is 300).
+OBSERVED = 4096
+
+
+def ota_dir(state_dir: Path) -> Path:
+    return state_dir / "ota"
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class AgentOta:
+    """The agent's side of OTA: an :class:`ota.updater.Activator` plus the wiring."""
+
+    def __init__(self, agent: Agent, section: OtaSection) -> None:
+        self.agent = agent
+        self.section = section
+        self.dir = ota_dir(agent.config.state_dir)
+        cfg = agent.config
+        self.updater = Updater(
+            self.dir,
+            policy=Policy(
+                device_type=cfg.agent.device_type,
+                agent_version=__version__,
+                permissions=frozenset(section.permissions),
+                max_bundle_bytes=section.max_bundle_mb * 1024 * 1024,
+            ),
+            activator=self,
+            on_transition=self._on_transition,
+            clock=agent.clock_ns,
+            fetch=self._fetch,
+        )
+        self.updater.load()
+        self._provision_root()
+        self._observing = False
+        self._target_sha = ""
+        self._latencies: deque[float] = deque(maxlen=OBSERVED)
+        self._runs = 0
+        self._windows = 0
+        self._errors0 = 0
+        #: Models replaced by a swap, by sha: a rollback swaps back without reloading.
+        self._retired: dict[str, Scorer] = {}
+        self._pending: list[tuple[Journal, str, dict[str, Any]]] = []
+        self._task: asyncio.Task[Outcome] | None = None
+        self.transitions = 0
+        #: The sha of the model that came with the image, once known (see Agent).
+        self.factory_sha = ""
+
+    # -- start ------------------------------------------------------------------------------
+
+    def _provision_root(self) -> None:
+        src = self.section.trust_root
+        if src is None or self.updater.root_path.exists():
+            return
+        path = Path(src)
+        if not path.is_absolute():
+            path = self.agent.config.path.parent / path
+        try:
+            self.updater.install_root(path.read_bytes())
+            log.info("ota: trust root provisioned from %s", path)
+        except (OSError, AgentError) as exc:
+            log.error("ota: cannot provision the trust root from %s: %s", path, exc)
+        except Exception as exc:  # noqa: BLE001 - a bad root must not stop the agent
+            log.error("ota: trust root %s refused: %s (every bundle will be refused)", path, exc)
+
+    def model_dir_at_start(self) -> Path | None:
+        """The OTA model the journal says is live, materialised, or None (factory)."""
+        inst = self.updater.journal.active.get("model")
+        if inst is None:
+            return None
+        try:
+            return self._materialise_model(inst, self.updater.store)
+        except StorageError as exc:
+            log.error(
+                "ota: active model %s unavailable (%s); the factory model runs", inst.version, exc
+            )
+            return None
+
+    async def start(self) -> None:
+        """Finish or undo an update a crash interrupted (before any window is scored)."""
+        if self.updater.warning:
+            self._pending.append((self.updater.journal, self.updater.warning, {"code": "journal"}))
+        outcome = await self.updater.recover(running_agent_version=__version__)
+        if outcome is not None:
+            log.warning("ota: recovery: %s (%s)", outcome.result, outcome.reason)
+
+    # -- Activator ---------------------------------------------------------------------------
+
+    def _materialise_model(self, inst: Installed, store: ContentStore) -> Path:
+        tflite = inst.payloads["model.tflite"]
+        meta = inst.payloads["model.json"]
+        where = self.dir / "models" / tflite[:16]
+        manifest = where / "manifest.json"
+        if manifest.is_file():
+            return where
+        where.mkdir(parents=True, exist_ok=True, mode=0o750)
+        doc = json.loads(store.read(meta, max_bytes=1 << 20))
+        name = Path(str(doc.get("file", "model.tflite"))).name
+        store.copy_to(tflite, where / name)
+        store.copy_to(meta, manifest)
+        return where
+
+    async def activate(self, target: Installed, store: ContentStore) -> bool:
+        if target.kind == "model":
+            where = await asyncio.to_thread(self._materialise_model, target, store)
+            try:
+                old = await self.agent.reload_model(where)
+            except ReasoningError as exc:
+                raise ActivationError(str(exc)) from None
+            self._retired[old.sha256] = old
+            self._target_sha = target.payloads["model.tflite"]
+            return True
+        if target.kind == "config":
+            await self._swap_config(store.read(target.payloads["agent.toml"], max_bytes=1 << 20))
+            self._target_sha = self.agent._model_sha256()
+            return True
+        raise ActivationError(f"{target.kind} bundles are not supported by this agent yet")
+
+    async def restore(self, installed: Installed | None, store: ContentStore) -> bool:
+        up = self.updater.journal.update
+        kind = installed.kind if installed is not None else (up.kind if up else "model")
+        if kind == "config":
+            if installed is None:
+                data = self.agent.config.path.read_bytes()
+            else:
+                data = store.read(installed.payloads["agent.toml"], max_bytes=1 << 20)
+            await self._swap_config(data)
+            return True
+        stage = self.agent.stage
+        if stage is None:
+            return True
+        want = installed.payloads["model.tflite"] if installed is not None else None
+        if want is None:
+            old = self._retired.get(self.factory_sha) if self.factory_sha else None
+        else:
+            old = self._retired.get(want)
+        if old is not None:
+            prepared = await asyncio.to_thread(stage.prepare, old)
+            stage.swap(prepared)
+            return True
+        where = (
+            await asyncio.to_thread(self._materialise_model, installed, store)
+            if installed is not None
+            else self.agent.config.reasoning.model_dir
+        )
+        try:
+            await self.agent.reload_model(where)
+        except ReasoningError as exc:
+            raise ActivationError(f"cannot bring back the previous model: {exc}") from None
+        return True
+
+    async def _swap_config(self, data: bytes) -> None:
+        path = self.agent.config.path
+
+        def parse() -> AgentConfig:
+            return parse_config(
+                data.decode("utf-8"), source="bundle agent.toml", base_dir=path.parent
+            )
+
+        try:
+            new = await asyncio.to_thread(parse)
+        except (ConfigError, UnicodeDecodeError) as exc:
+            raise ActivationError(f"config bundle: {exc}") from None
+        cur = self.agent.config
+        changed = [
+            name
+            for name in ("agent", "perception", "sources", "memory", "schedule", "api", "uplink")
+            if getattr(new, name) != getattr(cur, name) and name != "agent"
+        ]
+        if cur.agent.device != new.agent.device or cur.agent.site != new.agent.site:
+            changed.insert(0, "agent")
+        if changed:
+            raise ActivationError(
+                f"config bundle changes {changed}, which need a restart; only [reasoning] "
+                "rules and thresholds are applied live"
+            )
+        stage = self.agent.stage
+        if stage is None:
+            raise ActivationError("config bundle: reasoning is disabled on this device")
+        old_rules = stage.rules
+        stage.rules = new.reasoning.rules
+        try:
+            prepared = await asyncio.to_thread(stage.prepare, stage.model)
+        except AgentError as exc:
+            stage.rules = old_rules
+            raise ActivationError(f"config bundle: rules do not fit the model: {exc}") from None
+        stage.swap(prepared)
+        self.agent.config = replace(cur, reasoning=new.reasoning)
+
+    def baseline(self) -> Baseline:
+        stage = self.agent.stage
+        lat = list(stage.stats.reasoning_us)[-1000:] if stage is not None else []
+        return Baseline(_quantile(lat, 0.5), _rss_bytes())
+
+    def begin_observing(self) -> None:
+        self._latencies.clear()
+        self._runs = self._windows = 0
+        self._errors0 = self.agent.stage_errors.get("reasoning", 0)
+        if not self._target_sha:
+            self._target_sha = self.agent._model_sha256()
+        self._observing = True
+
+    def on_decision(self, d: Decision) -> None:
+        if not self._observing:
+            return
+        self._windows += 1
+        if d.model_ran and d.model_sha256 == self._target_sha:
+            self._runs += 1
+            self._latencies.append(d.stage_latency_ms.get("reasoning", 0.0) * 1000.0)
+
+    def observe(self) -> Observation:
+        errors = self.agent.stage_errors.get("reasoning", 0) - self._errors0
+        return Observation(
+            windows=self._windows,
+            model_runs=self._runs,
+            errors=errors,
+            p50_us=_quantile(list(self._latencies), 0.5),
+            p99_us=_quantile(list(self._latencies), 0.99),
+            rss_bytes=_rss_bytes(),
+            health_ok=0,
+            health_failed=0,
+            last_error="reasoning stage raised" if errors else "",
+        )
+
+    async def health(self) -> bool:
+        """The health API answers a probe through every stage (in-process when it is off)."""
+        last = self.agent.report.last_window
+        if last is None:
+            return False
+        row = {s: float(v) for s, v in zip(last.signals, last.values[-1], strict=True)}
+        body = {"sensor_id": "ota-probation", "timestamp_ns": time.time_ns(), "payload": row}
+        if not self.agent.config.api.enabled:
+            try:
+                self.agent.probe(parse_probe(json.dumps(body).encode(), self.agent.signals))
+            except Exception:  # noqa: BLE001 - any failure of the probe is "not healthy"
+                return False
+            return True
+        try:
+            port = self.agent.api_port
+        except RuntimeError:  # configured but not listening: silent
+            return False
+        if port is None:
+            return False
+        return await _post_health(self.agent.config.api.host, port, body)
+
+    # -- fetch, commands, reporting ----------------------------------------------------------
+
+    async def _fetch(self, url: str, dest: Path, *, length: int) -> Path:
+        from ota.fetch import fetch  # noqa: PLC0415 - aiohttp/aiocoap only when fetching
+
+        return await fetch(url, dest, length=length, stall_timeout_s=self.section.stall_timeout_s)
+
+    def _on_transition(self, j: Journal, reason: str, detail: dict[str, Any]) -> None:
+        self.transitions += 1
+        if j.state != "probation":
+            self._observing = False
+        if j.state == "idle":
+            self._target_sha = ""
+        self._pending.append((j, reason, detail))
+        self.flush_reports()
+
+    def flush_reports(self) -> None:
+        uplink = self.agent.uplink
+        if uplink is None:
+            self._pending.clear()
+            return
+        device = self.agent.config.agent.device
+        pending, self._pending = self._pending, []
+        for j, reason, detail in pending:
+            up = j.update
+            last = j.last
+            bundle_id = up.bundle_id if up else (last.bundle_id if last else "")
+            version = up.version if up else (last.version if last else "")
+            kind = (up.kind if up else "") or None
+            state = j.state if j.state != "idle" or last is None else last.result
+            safe = {k: v for k, v in detail.items() if isinstance(v, str | int | float | bool)}
+
+            build = _status_builder(
+                device=device,
+                bundle_id=bundle_id,
+                state=state,
+                kind=kind,
+                version=version,
+                reason=reason,
+                detail=safe,
+            )
+            uplink.publish("ota/status", build)
+
+    def on_command(self, name: str, payload: bytes) -> None:
+        """``cmd/ota``: an offer or a rollback; runs in the background, one at a time."""
+        try:
+            cmd = decode_command(payload)
+        except WireError as exc:
+            log.warning("ota: command refused: %s", exc)
+            return
+        if self._task is not None and not self._task.done():
+            if cmd.action == "rollback":
+                asyncio.get_running_loop().create_task(self.updater.rollback(cmd.kind or "model"))
+            else:
+                log.info("ota: offer %s ignored: an update is in progress", cmd.bundle_id)
+            return
+        if cmd.action == "rollback" or cmd.url is None:
+            coro = self.updater.rollback(cmd.kind or "model")
+        else:
+            coro = self.updater.install_url(
+                cmd.url, length=cmd.length, bundle_id=cmd.bundle_id,
+                incoming_name=f"{cmd.bundle_id}.efb",
+            )  # fmt: skip
+        self._task = asyncio.get_running_loop().create_task(coro, name=f"ota:{cmd.bundle_id}")
+
+    # -- the CLI's and the API's view ----------------------------------------------------------
+
+    async def install_file(self, path: Path) -> Outcome:
+        return await self.updater.install_file(path)
+
+    def status(self) -> dict[str, Any]:
+        return self.updater.status()
+
+
+def _status_builder(
+    *,
+    device: str,
+    bundle_id: str,
+    state: str,
+    kind: str | None,
+    version: str,
+    reason: str,
+    detail: dict[str, Any],
+) -> Callable[[str, int], OtaStatusMsg]:
+    def build(boot_id: str, seq: int) -> OtaStatusMsg:
+        return OtaStatusMsg(
+            device=device,
+            boot_id=boot_id,
+            seq=seq,
+            t_ns=time.time_ns(),
+            bundle_id=bundle_id[:128] or "-",
+            state=state,
+            kind=kind if kind in ("model", "config", "agent") else None,  # type: ignore[arg-type]
+            version=version[:128],
+            reason=reason[:1024],
+            detail=detail,
+        )
+
+    return build
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _post_health(host: str, port: int, body: dict[str, Any]) -> bool:
+    import aiohttp  # noqa: PLC0415 - as in edge_agent.api: only when the API is used
+
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                f"http://{host}:{port}/v1/health",
+                json=body,
+                timeout=aiohttp.ClientTimeout(total=1.0),
+            ) as resp,
+        ):
+            return resp.status == 200
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return False

@@ -1,0 +1,24 @@
+"""``[ota]``: what this device accepts from OTA and from whom (see :mod:`edge_agent.ota`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from edge_agent._schema import Name, StrictModel
+
+
+class OtaSection(StrictModel):
+    """``[ota]``: what this device accepts and from whom."""
+
+    enabled: bool = True
+    #: The provisioned trust root; copied into ``state_dir/ota/root.json`` at first start,
+    #: where rotations replace it. No root anywhere: every bundle is refused.
+    trust_root: Annotated[str, Field(min_length=1)] | None = None
+    #: What bundles may do here; ``agent:replace`` is not granted unless listed.
+    permissions: Annotated[list[Name], Field(max_length=64)] = Field(
+        default_factory=lambda: ["model:swap", "config:write"]
+    )
+    max_bundle_mb: Annotated[int, Field(ge=1, le=4096)] = 512
+    stall_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0

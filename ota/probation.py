@@ -1,0 +1,110 @@
+"""Judging a probation: pure, from what the agent observed and the clock.
+
+The new version passes only on evidence: by the deadline it must have scored at least
+``min_windows`` windows with the model, raised no inference error, kept the reasoning
+stage's P99 under the manifest's ``p99_us`` and within ``regression_pct`` of the same
+device's P99 before the update, kept resident memory within ``memory_pct`` of its
+baseline, and answered the health API. No signal is a failure, never a pass.
+
+The regression rule compares *medians* per window (the new version's over the probation
+against the device's own over its last windows before the update), with an absolute slack
+(:data:`SLACK_US`). A probation of a few seconds sees a few to a few hundred windows: their
+P99 is their maximum, one scheduler hiccup, and a 50 µs stage on a shared gateway moves by
+more than 15 % from one second to the next anyway; rolling back on that noise would make
+every update a coin toss. A model that really is slower (the demo's broken v3) moves the
+median by far more. The manifest's ``p99_us`` stays a hard limit on the P99.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ota.manifest import Probation
+
+#: This many failed health checks in a row fail the probation before its deadline.
+HEALTH_STREAK = 3
+
+#: Median differences below this are not called a regression, whatever the percentage.
+SLACK_US = 50.0
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The device before the update: reasoning latency per window and resident memory."""
+
+    p50_us: float | None
+    rss_bytes: int | None
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the agent saw since the new version went live."""
+
+    windows: int
+    model_runs: int
+    errors: int
+    p50_us: float | None
+    p99_us: float | None
+    rss_bytes: int | None
+    health_ok: int
+    health_failed: int
+    #: consecutive failed health checks up to now (0: the last one answered)
+    health_streak: int = 0
+    last_error: str = ""
+
+
+Verdict = Literal["pending", "pass", "fail"]
+
+
+def judge(
+    obs: Observation,
+    baseline: Baseline,
+    limits: Probation,
+    *,
+    started_ns: int,
+    now_ns: int,
+) -> tuple[Verdict, str]:
+    """``("pending", "")`` until the deadline unless a hard limit already failed."""
+    if obs.errors:
+        return "fail", f"inference failed {obs.errors} time(s): {obs.last_error}".rstrip(": ")
+    enough = obs.model_runs >= limits.min_windows
+    if enough and limits.p99_us and obs.p99_us is not None and obs.p99_us > limits.p99_us:
+        return "fail", (
+            f"reasoning P99 {obs.p99_us:.0f} µs is over the bundle's limit of {limits.p99_us} µs"
+        )
+    if obs.health_streak >= HEALTH_STREAK:
+        return "fail", f"health API silent during probation ({obs.health_streak} checks in a row)"
+    if now_ns - started_ns < limits.seconds * 1_000_000_000:
+        return "pending", ""
+    if not enough:
+        return "fail", (
+            f"no signal: {obs.model_runs} window(s) scored by the new version in "
+            f"{limits.seconds} s; at least {limits.min_windows} needed"
+        )
+    if obs.health_ok == 0 or obs.health_streak:
+        return "fail", (
+            f"health API silent during probation ({obs.health_failed} failed check(s), "
+            f"{obs.health_ok} answered, the last one {'failed' if obs.health_streak else 'ok'})"
+        )
+    if obs.p50_us is not None and baseline.p50_us is not None:
+        allowed = max(
+            baseline.p50_us * (1 + limits.regression_pct / 100), baseline.p50_us + SLACK_US
+        )
+        if obs.p50_us > allowed:
+            return "fail", (
+                f"latency regression: reasoning median {obs.p50_us:.0f} µs per window against "
+                f"{baseline.p50_us:.0f} µs before the update (allowed {allowed:.0f} µs: "
+                f"+{limits.regression_pct} %)"
+            )
+    if obs.rss_bytes is not None and baseline.rss_bytes:
+        allowed_rss = baseline.rss_bytes * (1 + limits.memory_pct / 100)
+        if obs.rss_bytes > allowed_rss:
+            return "fail", (
+                f"memory regression: {obs.rss_bytes / 2**20:.1f} MiB resident against "
+                f"{baseline.rss_bytes / 2**20:.1f} MiB before the update (+{limits.memory_pct} %)"
+            )
+    return "pass", (
+        f"{obs.model_runs} windows, median {obs.p50_us or 0:.0f} µs, P99 {obs.p99_us or 0:.0f} µs, "
+        f"health {obs.health_ok} ok"
+    )

@@ -1,0 +1,368 @@
+"""The updater: drives one update at a time through the state machine, with I/O.
+
+It owns the journal (``ota_dir/journal.json``), the content store (``ota_dir/store``) and
+the trust root (``ota_dir/root.json``, provisioned). Everything about *what* may happen is
+in :mod:`ota.machine` and :mod:`ota.probation`; this module fetches, verifies (in a
+thread), persists each transition *before* acting on it, and asks an :class:`Activator`
+(the agent) to switch versions. ``on_transition`` is called after each persisted step:
+the agent publishes it on ``.../ota/status``; crash tests kill the process there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from ota import journal as _journal
+from ota.errors import ActivationError, FetchError, OtaError, TrustError
+from ota.fsutil import atomic_write
+from ota.machine import Event, Installed, Journal, Update, recover, step
+from ota.manifest import Probation
+from ota.probation import Baseline, Observation, judge
+from ota.store import ContentStore
+from ota.trust import TrustRoot, load_root, rotate
+from ota.verify import Policy, VerifiedBundle, verify_bundle
+
+log = logging.getLogger(__name__)
+
+
+class Activator(Protocol):
+    """What the agent does for the updater. Methods run on the event loop."""
+
+    async def activate(self, target: Installed, store: ContentStore) -> bool:
+        """Make ``target`` live. True when it is live now; False when it goes live only
+        after a restart (an agent build). Raises :class:`ActivationError`."""
+        ...
+
+    async def restore(self, installed: Installed | None, store: ContentStore) -> bool:
+        """Make ``installed`` (None: the factory version of that kind) live again.
+        True when done now; False when a restart is needed to finish."""
+        ...
+
+    def baseline(self) -> Baseline: ...
+
+    def begin_observing(self) -> None: ...
+
+    def observe(self) -> Observation: ...
+
+    async def health(self) -> bool: ...
+
+
+Report = Callable[[Journal, str, dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    result: str  # committed | rolled_back | failed | busy | restart
+    reason: str
+    code: str = ""
+
+
+class Updater:
+    def __init__(
+        self,
+        ota_dir: Path,
+        *,
+        policy: Policy,
+        activator: Activator,
+        on_transition: Report | None = None,
+        clock: Callable[[], int] = time.time_ns,
+        probation_poll_s: float = 0.05,
+        health_every_s: float = 0.5,
+        fetch: Callable[..., Awaitable[Path]] | None = None,
+    ) -> None:
+        self.dir = ota_dir
+        self.policy = policy
+        self.activator = activator
+        self.on_transition = on_transition
+        self.clock = clock
+        self.poll_s = probation_poll_s
+        self.health_every_s = health_every_s
+        self._fetch = fetch
+        self.store = ContentStore(ota_dir / "store")
+        self.journal_path = ota_dir / "journal.json"
+        self.root_path = ota_dir / "root.json"
+        self.journal = Journal()
+        self.warning = ""
+        self._lock = asyncio.Lock()
+        self._abort = asyncio.Event()
+        self.last_probation: dict[str, Any] = {}
+
+    # -- state ------------------------------------------------------------------------------
+
+    def load(self) -> Journal:
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+        self.store.ensure()
+        self.journal, self.warning = _journal.load(self.journal_path)
+        return self.journal
+
+    def now(self) -> datetime:
+        return datetime.fromtimestamp(self.clock() / 1e9, tz=UTC)
+
+    def trust_root(self) -> TrustRoot | None:
+        """The provisioned root, or None (then every bundle is refused)."""
+        try:
+            data = self.root_path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise TrustError(f"{self.root_path}: unreadable: {exc}") from None
+        return load_root(data, self.now())
+
+    def install_root(self, data: bytes) -> TrustRoot:
+        """Replace the trust root by ``data`` if the TUF rule accepts it (or set the first)."""
+        old = self.trust_root()
+        new = load_root(data, self.now()) if old is None else rotate(old, data, self.now())
+        atomic_write(self.root_path, data, mode=0o644)
+        return new
+
+    def _go(
+        self,
+        event: Event,
+        *,
+        update: Update | None = None,
+        target: Installed | None = None,
+        reason: str = "",
+        detail: dict[str, Any] | None = None,
+    ) -> Journal:
+        nxt = step(self.journal, event, self.clock(), update=update, target=target, reason=reason)
+        _journal.save(self.journal_path, nxt)
+        prev, self.journal = self.journal, nxt
+        info = dict(detail or {})
+        info.setdefault("event", event)
+        log.info(
+            "ota: %s -> %s (%s)%s",
+            prev.state,
+            nxt.state,
+            event,
+            f": {reason}" if reason else "",
+        )
+        if self.on_transition is not None:
+            self.on_transition(nxt, reason, info)
+        return nxt
+
+    def status(self) -> dict[str, Any]:
+        return {
+            **describe(self.journal),
+            "trust_root": self.root_path.is_file(),
+            "warning": self.warning,
+            "probation": dict(self.last_probation),
+        }
+
+    # -- start ------------------------------------------------------------------------------
+
+    async def recover(self, *, running_agent_version: str | None = None) -> Outcome | None:
+        """Finish or undo what a crash interrupted (see :func:`ota.machine.recover`)."""
+        action, why = recover(self.journal, running_agent_version=running_agent_version)
+        if action == "none":
+            return None
+        log.warning("ota: recovering from %s: %s", self.journal.state, why or action)
+        if action == "drop":
+            self._go("rejected", reason=why, detail={"code": "interrupted"})
+            return Outcome("failed", why, "interrupted")
+        if action == "finish_commit":
+            self._go("committed", reason="commit finished after a restart")
+            return Outcome("committed", "commit finished after a restart")
+        if action == "continue_probation":
+            return await self._probation(self._limits())
+        # rollback / finish_rollback
+        if self.journal.state == "activating":
+            self._go("activation_failed", reason=why)
+        elif self.journal.state == "probation":
+            self._go("failed", reason=why)
+        return await self._rollback(why)
+
+    def _limits(self) -> Probation:
+        up = self.journal.update
+        seconds = up.probation_s if up is not None else 3
+        return Probation(seconds=seconds)
+
+    # -- updates ----------------------------------------------------------------------------
+
+    async def install_file(self, path: Path, *, bundle_id: str = "") -> Outcome:
+        """Verify, stage, activate and probe the bundle at ``path`` (a user's file: copied)."""
+        if self._lock.locked():
+            return Outcome("busy", f"an update is in progress ({self.journal.state})", "busy")
+        async with self._lock:
+            up = Update(bundle_id=bundle_id or path.name, source=str(path))
+            self._go("install", update=up)
+            return await self._verify_and_apply(path, keep_source=True)
+
+    async def install_url(
+        self, url: str, *, length: int, bundle_id: str, incoming_name: str
+    ) -> Outcome:
+        """Fetch (resumable) from ``url`` into ``incoming/``, then as :meth:`install_file`."""
+        if self._lock.locked():
+            same = self.journal.update is not None and self.journal.update.bundle_id == bundle_id
+            why = "the same offer is in progress" if same else "another update is in progress"
+            return Outcome("busy", why, "busy")
+        async with self._lock:
+            self._go("offer", update=Update(bundle_id=bundle_id, source=url))
+            dest = self.store.incoming / incoming_name
+            try:
+                if self._fetch is None:
+                    raise FetchError("no bundle transport configured on this device")
+                await self._fetch(url, dest, length=length)
+            except OtaError as exc:
+                detail = {"code": exc.code, "permanent": exc.permanent}
+                self._go("rejected", reason=str(exc), detail=detail)
+                return Outcome("failed", str(exc), exc.code)
+            self._go("fetched", detail={"bytes": length})
+            return await self._verify_and_apply(dest, keep_source=False)
+
+    async def _verify_and_apply(self, path: Path, *, keep_source: bool) -> Outcome:
+        try:
+            vb = await asyncio.to_thread(
+                verify_bundle,
+                path,
+                root=self.trust_root(),
+                policy=self.policy,
+                floors=self.journal.floors,
+                now=self.now(),
+                store=self.store,
+                keep_source=keep_source,
+            )
+        except OtaError as exc:
+            detail = {"code": exc.code, "permanent": exc.permanent}
+            self._go("rejected", reason=str(exc), detail=detail)
+            return Outcome("failed", str(exc), exc.code)
+        target = _installed(vb)
+        limits = vb.signed.probation
+        assert self.journal.update is not None  # set by offer/install, under the lock
+        up = replace(self.journal.update, probation_s=limits.seconds)
+        self._go("verified", update=up, target=target, detail={"code": "verified"})
+        return await self._activate(target, limits)
+
+    async def _activate(self, target: Installed, limits: Probation) -> Outcome:
+        baseline = self.activator.baseline()
+        assert self.journal.update is not None
+        up = replace(
+            self.journal.update, baseline_p50_us=baseline.p50_us, baseline_rss=baseline.rss_bytes
+        )
+        self._go("activate", update=up, detail={"version": target.version})
+        try:
+            live = await self.activator.activate(target, self.store)
+        except OtaError as exc:
+            self._go("activation_failed", reason=str(exc), detail={"code": exc.code})
+            return await self._rollback(str(exc))
+        if not live:
+            self._go("activated", detail={"restart": True})
+            return Outcome("restart", f"{target.kind} {target.version} needs a restart")
+        self._go("activated")
+        return await self._probation(limits)
+
+    async def _probation(self, limits: Probation) -> Outcome:
+        up = self.journal.update
+        base = Baseline(up.baseline_p50_us if up else None, up.baseline_rss if up else None)
+        self._abort.clear()
+        self.activator.begin_observing()
+        started = self.clock()
+        health_ok = health_failed = streak = 0
+        next_health = 0.0
+        loop = asyncio.get_running_loop()
+        verdict, why = "pending", ""
+        while verdict == "pending":
+            if self._abort.is_set():
+                self._go("abort", reason="rollback requested during probation")
+                return await self._rollback("rollback requested during probation")
+            if loop.time() >= next_health:
+                next_health = loop.time() + self.health_every_s
+                try:
+                    ok = await asyncio.wait_for(self.activator.health(), self.health_every_s)
+                except Exception:  # noqa: BLE001 - a health check that raises did not answer
+                    ok = False
+                health_ok += ok
+                health_failed += not ok
+                streak = 0 if ok else streak + 1
+            obs = replace(
+                self.activator.observe(),
+                health_ok=health_ok,
+                health_failed=health_failed,
+                health_streak=streak,
+            )
+            verdict, why = judge(obs, base, limits, started_ns=started, now_ns=self.clock())
+            self.last_probation = {
+                "verdict": verdict,
+                "reason": why,
+                "windows": obs.model_runs,
+                "p50_us": obs.p50_us,
+                "p99_us": obs.p99_us,
+                "baseline_p50_us": base.p50_us,
+            }
+            if verdict == "pending":
+                await asyncio.sleep(self.poll_s)
+        if verdict == "fail":
+            self._go("failed", reason=why, detail={"code": "probation_failed"})
+            return await self._rollback(why)
+        self._go("passed", reason=why)
+        self._go("committed", reason=why)
+        await asyncio.to_thread(self.store.gc, self.journal.payloads_in_use())
+        return Outcome("committed", why)
+
+    async def _rollback(self, why: str) -> Outcome:
+        up = self.journal.update
+        back = up.replaced if up is not None else None
+        if up is not None and up.target is None and up.kind:
+            kept = self.journal.kept.get(up.kind, ())
+            back = kept[0] if kept else None
+        try:
+            done = await self.activator.restore(back, self.store)
+        except OtaError as exc:
+            # The rollback target cannot be brought back: stay in a safe state (the
+            # activator keeps whatever serves now), say so, and do not loop.
+            why = f"{why}; rollback target unavailable: {exc}"
+            log.error("ota: %s", why)
+            done = True
+        self._go("rolled_back", reason=why)
+        if not done:
+            return Outcome("restart", why)
+        return Outcome("rolled_back", why)
+
+    async def rollback(self, kind: str) -> Outcome:
+        """Abort a probation, or bring back the previous committed version of ``kind``."""
+        if self.journal.state == "probation":
+            self._abort.set()
+            return Outcome("rolled_back", "abort requested")
+        if self._lock.locked():
+            return Outcome("busy", f"an update is in progress ({self.journal.state})", "busy")
+        if not self.journal.kept.get(kind):
+            return Outcome("failed", f"no earlier {kind} version is kept on this device", "none")
+        async with self._lock:
+            self._go("abort", update=Update(bundle_id="", kind=kind), reason="rollback requested")
+            return await self._rollback(f"{kind} rollback requested")
+
+
+def describe(j: Journal) -> dict[str, Any]:
+    """The journal as people and ``--json`` read it."""
+    return {
+        "state": j.state,
+        "update": j.update.to_json() if j.update else None,
+        "active": {
+            k: {"version": v.version, "counter": v.counter, "bundle_id": v.bundle_id}
+            for k, v in j.active.items()
+        },
+        "floors": dict(j.floors),
+        "kept": {k: [v.version for v in vs] for k, vs in j.kept.items()},
+        "last": j.last.to_json() if j.last else None,
+    }
+
+
+def _installed(vb: VerifiedBundle) -> Installed:
+    s = vb.signed
+    return Installed(
+        bundle_id=s.bundle_id,
+        kind=s.kind,
+        version=s.version,
+        counter=s.counter,
+        manifest_sha256=vb.manifest_sha256,
+        payloads=dict(vb.payloads),
+    )
+
+
+__all__ = ["ActivationError", "Activator", "Outcome", "Updater"]

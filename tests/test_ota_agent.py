@@ -1,0 +1,272 @@
+"""OTA in the running agent: model bundles through the API, probation, rollback, recovery.
+
+The agent runs in-process against the plant simulator (real Modbus TCP, python-can virtual
+bus); bundles are real signed ``.efb`` files; the API is the agent's own HTTP server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from typer.testing import CliRunner
+
+from drivers.sim.server import PlantSimulator
+from edge_agent.cli import app
+from edge_agent.config import AgentConfig, parse_config
+from edge_agent.rules import Decision
+from edge_agent.service import Agent
+from models import load_model
+from ota.journal import load as load_journal
+from tests.ota_support import Signer, model_members
+from tests.test_service import EXAMPLES, example_text, free_port
+
+
+def ota_config(
+    tmp: Path, signer: Signer | None, *, extra: str = ""
+) -> tuple[AgentConfig, int, str]:
+    port, channel = free_port(), f"ota-{uuid.uuid4().hex[:8]}"
+    text = example_text().replace("port = 15020", f"port = {port}")
+    text = text.replace('channel = "edgefleet-demo"', f'channel = "{channel}"')
+    if signer is not None:
+        root = signer.write_root(tmp / "root.json")
+        text += f'\n[ota]\ntrust_root = "{root}"\n{extra}'
+    return parse_config(text, base_dir=EXAMPLES), port, channel
+
+
+async def post(
+    agent: Agent, route: str, body: dict[str, Any], timeout: float = 60
+) -> tuple[int, Any]:
+    port = agent.api_port
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            f"http://127.0.0.1:{port}{route}",
+            json=body,
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as r,
+    ):
+        return r.status, await r.json()
+
+
+async def until(pred: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+def run_agent(
+    cfg: AgentConfig,
+    port: int,
+    channel: str,
+    scenario: Callable[[Agent], Awaitable[Any]],
+) -> tuple[Any, list[Decision], dict[str, Any]]:
+    decisions: list[Decision] = []
+
+    async def main() -> tuple[Any, dict[str, Any]]:
+        agent = Agent(cfg, on_decision=decisions.append)
+        stop = asyncio.Event()
+        result: list[Any] = []
+
+        async def drive() -> None:
+            try:
+                await until(lambda: agent._api is not None and len(decisions) >= 3)
+                result.append(await scenario(agent))
+                n = len(decisions)
+                await until(lambda: len(decisions) >= n + 3)
+            finally:
+                stop.set()
+
+        async with (
+            PlantSimulator(seed=3, modbus_port=port, can_channel=channel),
+            asyncio.TaskGroup() as tg,
+        ):
+            tg.create_task(drive())
+            await agent.run(stop)
+        return result[0] if result else None, agent.status()
+
+    result, status = asyncio.run(main())
+    return result, decisions, status
+
+
+def assert_no_window_missed(decisions: list[Decision]) -> None:
+    seqs = [d.window_seq for d in decisions]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "a window was missed"
+
+
+def test_model_bundle_installs_through_the_api_and_commits(tmp_path: Path) -> None:
+    signer = Signer()
+    cfg, port, channel = ota_config(tmp_path, signer)
+    members, new_sha = model_members(tmp_path, "v2")
+    bundle = signer.bundle(tmp_path / "m2.efb", members, version="1.1.0", counter=2)
+    old_sha = load_model().sha256
+
+    async def scenario(agent: Agent) -> tuple[int, Any]:
+        return await post(agent, "/v1/ota/install", {"path": str(bundle)})
+
+    (code, outcome), decisions, status = run_agent(cfg, port, channel, scenario)
+    assert code == 200, outcome
+    assert outcome["result"] == "committed", outcome
+    shas = [d.model_sha256 for d in decisions]
+    switch = shas.index(new_sha)
+    assert shas == [old_sha] * switch + [new_sha] * (len(shas) - switch)
+    assert_no_window_missed(decisions)
+    ota = status["ota"]
+    assert ota["active"]["model"]["version"] == "1.1.0"
+    assert ota["floors"] == {"model": 2}
+    assert ota["last"]["result"] == "committed"
+    assert bundle.exists(), "the user's file is copied, not moved"
+
+    # The next start runs the committed OTA model; the same bundle again is "already installed".
+    async def again(agent: Agent) -> tuple[int, Any]:
+        return await post(agent, "/v1/ota/install", {"path": str(bundle)})
+
+    (code, outcome), decisions, status = run_agent(cfg, port, channel, again)
+    assert {d.model_sha256 for d in decisions} == {new_sha}
+    assert code == 422
+    assert outcome["code"] == "already_installed"
+
+
+def test_probation_over_the_bundle_latency_limit_rolls_back(tmp_path: Path) -> None:
+    signer = Signer()
+    cfg, port, channel = ota_config(tmp_path, signer)
+    members, new_sha = model_members(tmp_path, "v2")
+    # No real stage runs in 1 µs: the manifest's own limit trips as soon as enough windows ran.
+    bundle = signer.bundle(
+        tmp_path / "m2.efb", members, probation={"seconds": 3, "p99_us": 1, "min_windows": 3}
+    )
+    old_sha = load_model().sha256
+
+    async def scenario(agent: Agent) -> tuple[int, Any]:
+        return await post(agent, "/v1/ota/install", {"path": str(bundle)})
+
+    (code, outcome), decisions, _status = run_agent(cfg, port, channel, scenario)
+    assert code == 422, outcome
+    assert outcome["result"] == "rolled_back"
+    assert "over the bundle's limit of 1 µs" in outcome["reason"]
+    shas = [d.model_sha256 for d in decisions]
+    assert new_sha in shas
+    assert shas[-1] == old_sha
+    assert_no_window_missed(decisions)
+    journal, _ = load_journal(cfg.state_dir / "ota" / "journal.json")
+    assert "model" not in journal.active  # the factory model is live again
+    assert journal.floors == {}  # nothing was committed
+    assert journal.last is not None
+    assert journal.last.result == "rolled_back"
+
+
+def test_health_api_silent_during_probation_rolls_back(tmp_path: Path) -> None:
+    signer = Signer()
+    cfg, port, channel = ota_config(tmp_path, signer)
+    members, _ = model_members(tmp_path, "v2")
+    bundle = signer.bundle(tmp_path / "m2.efb", members, probation={"seconds": 2, "min_windows": 3})
+    old_sha = load_model().sha256
+
+    async def scenario(agent: Agent) -> Any:
+        assert agent.ota is not None
+        assert agent._api is not None
+        api = agent._api
+        # The agent's own API dies as the new model goes live: nothing answers the probes.
+        task = asyncio.create_task(agent.ota.install_file(bundle))
+        await until(
+            lambda: agent.ota is not None and agent.ota.updater.journal.state == "probation"
+        )
+        await api.stop()
+        return await task
+
+    outcome, decisions, _ = run_agent(cfg, port, channel, scenario)
+    assert outcome.result == "rolled_back"
+    assert "health API silent" in outcome.reason
+    assert decisions[-1].model_sha256 == old_sha
+
+
+def test_restart_during_probation_rolls_back_to_one_consistent_version(tmp_path: Path) -> None:
+    signer = Signer()
+    cfg, port, channel = ota_config(tmp_path, signer)
+    members, new_sha = model_members(tmp_path, "v2")
+    bundle = signer.bundle(
+        tmp_path / "m2.efb", members, probation={"seconds": 30, "min_windows": 3}
+    )
+
+    async def scenario(agent: Agent) -> str:
+        assert agent.ota is not None
+        task = asyncio.create_task(agent.ota.install_file(bundle))
+        await until(
+            lambda: agent.ota is not None and agent.ota.updater.journal.state == "probation"
+        )
+        task.cancel()  # the process "dies" here: the journal says probation, new model live
+        return agent._model_sha256()
+
+    live, _, _ = run_agent(cfg, port, channel, scenario)
+    assert live == new_sha
+    journal, _ = load_journal(cfg.state_dir / "ota" / "journal.json")
+    assert journal.state == "probation"
+
+    async def idle(agent: Agent) -> None:
+        return None
+
+    _, decisions, status = run_agent(cfg, port, channel, idle)
+    assert {d.model_sha256 for d in decisions} == {load_model().sha256}
+    assert status["ota"]["state"] == "idle"
+    assert status["ota"]["last"]["result"] == "rolled_back"
+    assert "during probation" in status["ota"]["last"]["reason"]
+
+
+def test_no_trust_root_refuses_every_bundle(tmp_path: Path) -> None:
+    cfg, port, channel = ota_config(tmp_path, None)
+    members, _ = model_members(tmp_path, "v2")
+    bundle = Signer().bundle(tmp_path / "m2.efb", members)
+
+    async def scenario(agent: Agent) -> tuple[int, Any]:
+        return await post(agent, "/v1/ota/install", {"path": str(bundle)})
+
+    (code, outcome), decisions, _ = run_agent(cfg, port, channel, scenario)
+    assert code == 422
+    assert outcome["code"] == "trust"
+    assert "no trust root" in outcome["reason"]
+    assert {d.model_sha256 for d in decisions} == {load_model().sha256}
+
+
+def test_cli_status_reads_the_journal_when_the_agent_is_down(tmp_path: Path) -> None:
+    signer = Signer()
+    cfg, port, channel = ota_config(tmp_path, signer)
+    members, _ = model_members(tmp_path, "v2")
+    bundle = signer.bundle(tmp_path / "m2.efb", members, version="1.1.0", counter=5)
+    config_file = tmp_path / "agent.toml"
+    text = example_text().replace("port = 15020", f"port = {port}")
+    text = text.replace('channel = "edgefleet-demo"', f'channel = "{channel}"')
+    text = text.replace("port = 0", f"port = {free_port()}")
+    text += f'\n[ota]\ntrust_root = "{tmp_path / "root.json"}"\n'
+    text = text.replace('"../', f'"{EXAMPLES.parent}/')
+    config_file.write_text(text)
+    cfg = parse_config(text, base_dir=EXAMPLES)
+    runner = CliRunner()
+
+    async def scenario(agent: Agent) -> Any:
+        res = await asyncio.to_thread(
+            runner.invoke, app, ["ota", "install", str(bundle), "-c", str(config_file), "--json"]
+        )
+        return res
+
+    res, _, _ = run_agent(cfg, port, channel, scenario)
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["result"] == "committed"
+    res = runner.invoke(app, ["ota", "status", "-c", str(config_file), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["active"]["model"]["version"] == "1.1.0"
+    assert doc["floors"] == {"model": 5}
+    res = runner.invoke(app, ["ota", "status", "-c", str(config_file)])
+    assert "journal (agent not running)" in res.output
+    assert "1.1.0" in res.output
+    res = runner.invoke(app, ["ota", "install", str(bundle), "-c", str(config_file)])
+    assert res.exit_code == 3
+    assert "not running" in res.output
