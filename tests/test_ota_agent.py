@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -15,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from typer.testing import CliRunner
 
 from drivers.sim.server import PlantSimulator
 from edge_agent.cli import app
-from edge_agent.config import AgentConfig, parse_config
+from edge_agent.config import AgentConfig, load_config, parse_config
 from edge_agent.rules import Decision
 from edge_agent.service import Agent
 from models import load_model
@@ -270,3 +274,73 @@ def test_cli_status_reads_the_journal_when_the_agent_is_down(tmp_path: Path) -> 
     res = runner.invoke(app, ["ota", "install", str(bundle), "-c", str(config_file)])
     assert res.exit_code == 3
     assert "not running" in res.output
+
+
+# -- SIGKILL at each step, then a restart: exactly one consistent version ---------------------
+
+
+def _write_config(tmp: Path, signer: Signer) -> tuple[Path, int, str]:
+    port, channel = free_port(), f"ota-{uuid.uuid4().hex[:8]}"
+    text = example_text().replace("port = 15020", f"port = {port}")
+    text = text.replace('channel = "edgefleet-demo"', f'channel = "{channel}"')
+    text += f'\n[ota]\ntrust_root = "{signer.write_root(tmp / "root.json")}"\n'
+    text = text.replace('"../', f'"{EXAMPLES.parent}/')
+    path = tmp / "agent.toml"
+    path.write_text(text)
+    return path, port, channel
+
+
+def _child(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.ota_agent_proc", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=Path(__file__).parents[1],
+    )
+
+
+@pytest.mark.parametrize(
+    ("kill_at", "failing"),
+    [
+        ("verifying", False),
+        ("staged", False),
+        ("activating", False),
+        ("probation", False),
+        ("committing", False),
+        ("rolling_back", True),
+    ],
+)
+def test_sigkill_at_each_step_leaves_one_consistent_version(
+    tmp_path: Path, kill_at: str, failing: bool
+) -> None:
+    signer = Signer()
+    config, port, channel = _write_config(tmp_path, signer)
+    members, new_sha = model_members(tmp_path, "v2")
+    probation = {"seconds": 1, "min_windows": 1}
+    if failing:
+        probation["p99_us"] = 1  # fails at once: the kill lands in rolling_back
+    bundle = signer.bundle(tmp_path / "m2.efb", members, probation=probation)
+    first = _child(str(config), str(port), channel, str(bundle), kill_at)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
+    journal, _ = load_journal(load_config(config).state_dir / "ota" / "journal.json")
+    assert journal.state == kill_at
+
+    second = _child(str(config), str(port), channel)
+    assert second.returncode == 0, second.stderr[-2000:]
+    after = json.loads(second.stdout.strip().splitlines()[-1])
+    assert after["state"] == "idle"
+    factory = load_model().sha256
+    active = after["status"]["active"].get("model")
+    # Only a kill after the probation passed may keep the new model; then it is committed.
+    expected = new_sha if kill_at == "committing" else factory
+    assert after["serving"] == expected
+    assert after["scored"] == [expected]
+    if expected == new_sha:
+        assert active is not None
+        assert active["version"] == "1.1.0"
+        assert after["status"]["floors"] == {"model": 2}
+    else:
+        assert active is None
+        assert after["status"]["floors"] == {}
