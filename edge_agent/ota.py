@@ -104,6 +104,8 @@ class AgentOta:
         self.transitions = 0
         #: The sha of the model that came with the image, once known (see Agent).
         self.factory_sha = ""
+        #: The config file as the agent started with it: what a config rollback returns to.
+        self._factory_config = agent.config
 
     # -- start ------------------------------------------------------------------------------
 
@@ -142,6 +144,12 @@ class AgentOta:
         outcome = await self.updater.recover(running_agent_version=__version__)
         if outcome is not None:
             log.warning("ota: recovery: %s (%s)", outcome.result, outcome.reason)
+        inst = self.updater.journal.active.get("config")
+        if inst is not None:
+            try:
+                await self._swap_config(await self._bundle_config(inst, self.updater.store))
+            except (ActivationError, StorageError) as exc:
+                log.error("ota: the active config bundle %s does not apply: %s", inst.version, exc)
 
     # -- Activator ---------------------------------------------------------------------------
 
@@ -170,7 +178,7 @@ class AgentOta:
             self._target_sha = target.payloads["model.tflite"]
             return True
         if target.kind == "config":
-            await self._swap_config(store.read(target.payloads["agent.toml"], max_bytes=1 << 20))
+            await self._swap_config(await self._bundle_config(target, store))
             self._target_sha = self.agent._model_sha256()
             return True
         raise ActivationError(f"{target.kind} bundles are not supported by this agent yet")
@@ -180,10 +188,9 @@ class AgentOta:
         kind = installed.kind if installed is not None else (up.kind if up else "model")
         if kind == "config":
             if installed is None:
-                data = self.agent.config.path.read_bytes()
+                await self._swap_config(self._factory_config)
             else:
-                data = store.read(installed.payloads["agent.toml"], max_bytes=1 << 20)
-            await self._swap_config(data)
+                await self._swap_config(await self._bundle_config(installed, store))
             return True
         stage = self.agent.stage
         if stage is None:
@@ -200,7 +207,7 @@ class AgentOta:
         where = (
             await asyncio.to_thread(self._materialise_model, installed, store)
             if installed is not None
-            else self.agent.config.reasoning.model_dir
+            else self._factory_config.reasoning.model_dir
         )
         try:
             await self.agent.reload_model(where)
@@ -208,43 +215,60 @@ class AgentOta:
             raise ActivationError(f"cannot bring back the previous model: {exc}") from None
         return True
 
-    async def _swap_config(self, data: bytes) -> None:
-        path = self.agent.config.path
+    async def _bundle_config(self, inst: Installed, store: ContentStore) -> AgentConfig:
+        data = await asyncio.to_thread(store.read, inst.payloads["agent.toml"], max_bytes=1 << 20)
+        base = self._factory_config.path.parent
 
         def parse() -> AgentConfig:
-            return parse_config(
-                data.decode("utf-8"), source="bundle agent.toml", base_dir=path.parent
-            )
+            text = data.decode("utf-8")
+            return parse_config(text, source=f"config bundle {inst.version}", base_dir=base)
 
         try:
-            new = await asyncio.to_thread(parse)
+            return await asyncio.to_thread(parse)
         except (ConfigError, UnicodeDecodeError) as exc:
-            raise ActivationError(f"config bundle: {exc}") from None
+            raise ActivationError(str(exc)) from None
+
+    async def _swap_config(self, new: AgentConfig) -> None:
+        """Apply ``new``'s [reasoning] rules and thresholds between two windows.
+
+        Anything else that differs needs a restart, which a config bundle does not do: such
+        a bundle is refused at activation (and so rolled back), with the sections named.
+        """
         cur = self.agent.config
         changed = [
             name
-            for name in ("agent", "perception", "sources", "memory", "schedule", "api", "uplink")
-            if getattr(new, name) != getattr(cur, name) and name != "agent"
+            for name in ("perception", "sources", "memory", "schedule", "api", "uplink", "ota")
+            if getattr(new, name) != getattr(cur, name)
         ]
-        if cur.agent.device != new.agent.device or cur.agent.site != new.agent.site:
+        if (cur.agent.device, cur.agent.site, cur.agent.device_type, cur.state_dir) != (
+            new.agent.device,
+            new.agent.site,
+            new.agent.device_type,
+            new.state_dir,
+        ):
             changed.insert(0, "agent")
+        cr, nr = cur.reasoning, new.reasoning
+        for key in ("enabled", "backend", "threads", "breaker", "budget_ms"):
+            if getattr(cr, key) != getattr(nr, key):
+                changed.append(f"reasoning.{key}")
         if changed:
             raise ActivationError(
-                f"config bundle changes {changed}, which need a restart; only [reasoning] "
-                "rules and thresholds are applied live"
+                f"config bundle changes {', '.join(changed)}, which need a restart; only "
+                "[reasoning] rules and thresholds are applied live"
             )
         stage = self.agent.stage
         if stage is None:
             raise ActivationError("config bundle: reasoning is disabled on this device")
         old_rules = stage.rules
-        stage.rules = new.reasoning.rules
+        stage.rules = nr.rules
         try:
             prepared = await asyncio.to_thread(stage.prepare, stage.model)
         except AgentError as exc:
             stage.rules = old_rules
             raise ActivationError(f"config bundle: rules do not fit the model: {exc}") from None
         stage.swap(prepared)
-        self.agent.config = replace(cur, reasoning=new.reasoning)
+        # The model stays the one OTA (or the image) put there, whatever model_dir says.
+        self.agent.config = replace(cur, reasoning=replace(nr, model_dir=cr.model_dir))
 
     def baseline(self) -> Baseline:
         stage = self.agent.stage

@@ -93,6 +93,8 @@ class Updater:
         self._lock = asyncio.Lock()
         self._abort = asyncio.Event()
         self.last_probation: dict[str, Any] = {}
+        self.last_rollback_ms: float | None = None
+        self._failed_at: float | None = None
 
     # -- state ------------------------------------------------------------------------------
 
@@ -298,6 +300,7 @@ class Updater:
             if verdict == "pending":
                 await asyncio.sleep(self.poll_s)
         if verdict == "fail":
+            self._failed_at = time.perf_counter()
             self._go("failed", reason=why, detail={"code": "probation_failed"})
             return await self._rollback(why)
         self._go("passed", reason=why)
@@ -313,6 +316,10 @@ class Updater:
             back = kept[0] if kept else None
         try:
             done = await self.activator.restore(back, self.store)
+            if self._failed_at is not None:
+                # From the failed check to the previous version serving (bench.ota).
+                self.last_rollback_ms = (time.perf_counter() - self._failed_at) * 1000.0
+                self._failed_at = None
         except OtaError as exc:
             # The rollback target cannot be brought back: stay in a safe state (the
             # activator keeps whatever serves now), say so, and do not loop.

@@ -32,16 +32,27 @@ from tests.ota_support import Signer, model_members
 from tests.test_service import EXAMPLES, example_text, free_port
 
 
+def with_root(text: str, root: Path, extra: str = "") -> str:
+    """The example's ``[ota]`` section with a trust root (and ``extra`` lines)."""
+    head = "[ota]\nenabled = true\n"
+    assert head in text
+    return text.replace(head, f'{head}trust_root = "{root}"\n{extra}', 1)
+
+
 def ota_config(
     tmp: Path, signer: Signer | None, *, extra: str = ""
 ) -> tuple[AgentConfig, int, str]:
+    """The example config with a trust root, written to a real file (as on a device)."""
     port, channel = free_port(), f"ota-{uuid.uuid4().hex[:8]}"
     text = example_text().replace("port = 15020", f"port = {port}")
     text = text.replace('channel = "edgefleet-demo"', f'channel = "{channel}"')
+    text = text.replace('"../', f'"{EXAMPLES.parent}/')
     if signer is not None:
         root = signer.write_root(tmp / "root.json")
-        text += f'\n[ota]\ntrust_root = "{root}"\n{extra}'
-    return parse_config(text, base_dir=EXAMPLES), port, channel
+        text = with_root(text, root, extra)
+    path = tmp / "agent.toml"
+    path.write_text(text)
+    return load_config(path), port, channel
 
 
 async def post(
@@ -248,7 +259,7 @@ def test_cli_status_reads_the_journal_when_the_agent_is_down(tmp_path: Path) -> 
     text = example_text().replace("port = 15020", f"port = {port}")
     text = text.replace('channel = "edgefleet-demo"', f'channel = "{channel}"')
     text = text.replace("port = 0", f"port = {free_port()}")
-    text += f'\n[ota]\ntrust_root = "{tmp_path / "root.json"}"\n'
+    text = with_root(text, tmp_path / "root.json")
     text = text.replace('"../', f'"{EXAMPLES.parent}/')
     config_file.write_text(text)
     cfg = parse_config(text, base_dir=EXAMPLES)
@@ -283,7 +294,7 @@ def _write_config(tmp: Path, signer: Signer) -> tuple[Path, int, str]:
     port, channel = free_port(), f"ota-{uuid.uuid4().hex[:8]}"
     text = example_text().replace("port = 15020", f"port = {port}")
     text = text.replace('channel = "edgefleet-demo"', f'channel = "{channel}"')
-    text += f'\n[ota]\ntrust_root = "{signer.write_root(tmp / "root.json")}"\n'
+    text = with_root(text, signer.write_root(tmp / "root.json"))
     text = text.replace('"../', f'"{EXAMPLES.parent}/')
     path = tmp / "agent.toml"
     path.write_text(text)
@@ -344,3 +355,41 @@ def test_sigkill_at_each_step_leaves_one_consistent_version(
     else:
         assert active is None
         assert after["status"]["floors"] == {}
+
+
+def test_config_bundle_swaps_reasoning_rules_live_and_refuses_a_restart_change(
+    tmp_path: Path,
+) -> None:
+    signer = Signer()
+    cfg, port, channel = ota_config(tmp_path, signer)
+    base = (tmp_path / "agent.toml").read_text()
+    live = base.replace("[reasoning.thresholds]", "[reasoning.thresholds]\nnoise = 0.97", 1)
+    restart = base.replace(f"port = {port}", f"port = {port + 1}", 1)
+    good = signer.bundle(
+        tmp_path / "c1.efb", [("agent.toml", live.encode())], kind="config", counter=1
+    )
+    bad = signer.bundle(
+        tmp_path / "c2.efb", [("agent.toml", restart.encode())], kind="config", counter=2
+    )
+
+    async def scenario(agent: Agent) -> tuple[Any, Any, float]:
+        assert agent.ota is not None
+        first = await agent.ota.install_file(good)
+        assert agent.stage is not None
+        threshold = agent.stage.rules.compile(
+            agent.stage.model.manifest.labels,
+            agent.config.perception.signals,
+            agent.stage.model.manifest.thresholds,
+        ).thresholds
+        second = await agent.ota.install_file(bad)
+        labels = list(agent.stage.model.manifest.labels)
+        return first, second, float(threshold[labels.index("noise")])
+
+    (first, second, noise), decisions, status = run_agent(cfg, port, channel, scenario)
+    assert first.result == "committed", first
+    assert noise == pytest.approx(0.97)
+    assert second.result == "rolled_back"
+    assert "need a restart" in second.reason
+    assert "sources" in second.reason
+    assert status["ota"]["active"]["config"]["counter"] == 1
+    assert_no_window_missed(decisions)
