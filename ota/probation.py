@@ -12,7 +12,9 @@ against the device's own over its last windows before the update), with an absol
 P99 is their maximum, one scheduler hiccup, and a 50 µs stage on a shared gateway moves by
 more than 15 % from one second to the next anyway; rolling back on that noise would make
 every update a coin toss. A model that really is slower (the demo's broken v3) moves the
-median by far more. The manifest's ``p99_us`` stays a hard limit on the P99.
+median by far more. Below :data:`REGRESSION_MIN_WINDOWS` windows the rule is not judged
+(the pass says so): an agent that makes one window every 0.64 s needs a probation of
+13 s or more for it. The manifest's ``p99_us`` stays a hard limit on the P99.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ota.manifest import Probation
+
+#: The regression rule judges a median of at least this many windows; fewer is noise.
+REGRESSION_MIN_WINDOWS = 20
 
 #: This many failed health checks in a row fail the probation before its deadline.
 HEALTH_STREAK = 3
@@ -87,7 +92,8 @@ def judge(
             f"health API silent during probation ({obs.health_failed} failed check(s), "
             f"{obs.health_ok} answered, the last one {'failed' if obs.health_streak else 'ok'})"
         )
-    if obs.p50_us is not None and baseline.p50_us is not None:
+    judged = obs.model_runs >= REGRESSION_MIN_WINDOWS
+    if judged and obs.p50_us is not None and baseline.p50_us is not None:
         allowed = max(
             baseline.p50_us * (1 + limits.regression_pct / 100), baseline.p50_us + SLACK_US
         )
@@ -104,7 +110,8 @@ def judge(
                 f"memory regression: {obs.rss_bytes / 2**20:.1f} MiB resident against "
                 f"{baseline.rss_bytes / 2**20:.1f} MiB before the update (+{limits.memory_pct} %)"
             )
+    note = "" if judged else " (too few windows to judge a latency regression)"
     return "pass", (
-        f"{obs.model_runs} windows, median {obs.p50_us or 0:.0f} µs, P99 {obs.p99_us or 0:.0f} µs, "
-        f"health {obs.health_ok} ok"
+        f"{obs.model_runs} windows{note}, median {obs.p50_us or 0:.0f} µs, "
+        f"P99 {obs.p99_us or 0:.0f} µs, health {obs.health_ok} ok"
     )
