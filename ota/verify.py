@@ -50,7 +50,7 @@ from ota.errors import (
 )
 from ota.manifest import Payload, Signed, parse_signed
 from ota.store import ContentStore
-from ota.trust import TrustRoot, signers, split_envelope
+from ota.trust import TrustRoot, explain, signers, split_envelope
 
 MAX_MANIFEST_BYTES = 64 * 1024
 MAX_BUNDLE_BYTES = 1024 * 1024 * 1024
@@ -154,11 +154,12 @@ def read_manifest(
     signed, sigs = split_envelope(doc, what="manifest.json")
     body = canonical(signed)
     role = root.roles["bundles"]
-    ok = signers(body, sigs, role, root.keys, now, what="manifest.json")
+    why: list[str] = []
+    ok = signers(body, sigs, role, root.keys, now, what="manifest.json", why=why)
     if len(ok) < role.threshold:
         raise SignatureInvalid(
             f"manifest.json: {len(ok)} valid signature(s) by trusted bundle keys; "
-            f"the threshold is {role.threshold}"
+            f"the threshold is {role.threshold}" + explain(why)
         )
     return parse_signed(signed), hashlib.sha256(body).hexdigest()
 
