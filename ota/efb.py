@@ -70,11 +70,14 @@ def _checksum_ok(block: bytes, *, what: str) -> None:
         raise MalformedBundle(f"{what}: header checksum mismatch (not a tar header)")
 
 
-def _check_name(raw: bytes, index: int) -> str:
+def _decode_name(raw: bytes, index: int) -> str:
     try:
-        name = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise MalformedBundle(f"member {index}: name is not UTF-8") from None
+
+
+def _check_name(name: str, index: int) -> str:
     what = f"member {index} {name!r}"
     if name.startswith("/"):
         raise MalformedBundle(f"{what}: absolute path")
@@ -130,12 +133,15 @@ class BundleReader:
                 if "path" in pax and typeflag == b"x":
                     pax_name = pax["path"]
                 continue
-            name = _check_name(pax_name.encode() if pax_name else raw_name, self._index)
+            name = pax_name if pax_name is not None else _decode_name(raw_name, self._index)
+            # The type first: a directory ("models/") or a GNU long name ("././@LongLink")
+            # is reported as what it is, not as a name with a slash.
             if typeflag not in (b"0", b"\0"):
                 kind = _TYPES.get(typeflag, f"of type {typeflag!r}")
                 raise MalformedBundle(
                     f"member {self._index} {name!r}: is {kind}; only regular files allowed"
                 )
+            _check_name(name, self._index)
             if self._pos + size > self._size:
                 raise MalformedBundle(
                     f"member {self._index} {name!r}: declares {size} bytes; "
