@@ -201,12 +201,14 @@ def verify_bundle(
 
         refs: dict[str, tuple[int, int]] = {}
         patches: dict[str, bytes] = {}
+        seen = {"manifest.json": 0}
         for i, p in enumerate(m.payloads, start=1):
             member = reader.next_member()
             if member is None:
                 raise MalformedBundle(
                     f"payload {p.name!r} is missing (the bundle ends at member {i})"
                 )
+            _not_seen(member.index, member.name, seen)
             if member.name != p.name:
                 listed = [q.name for q in m.payloads]
                 why = "out of order" if member.name in listed else "not listed in the manifest"
@@ -230,6 +232,7 @@ def verify_bundle(
                 patches[p.name] = bytes(keep)
         extra = reader.next_member()
         if extra is not None:
+            _not_seen(extra.index, extra.name, seen)
             raise MalformedBundle(
                 f"member {extra.index} {extra.name!r}: not listed in the manifest (extra member)"
             )
@@ -247,6 +250,14 @@ def verify_bundle(
         path=staged,
         _token=_TOKEN,
     )
+
+
+def _not_seen(index: int, name: str, seen: dict[str, int]) -> None:
+    if name in seen:
+        raise MalformedBundle(
+            f"member {index} {name!r}: duplicate (the same name is member {seen[name]})"
+        )
+    seen[name] = index
 
 
 def _apply_delta(name: str, base_sha: str, patch: bytes, p: Payload, store: ContentStore) -> bytes:
