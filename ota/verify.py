@@ -15,8 +15,9 @@ manifest is. Step by step:
 5. the members after the manifest are exactly the listed payloads, in the listed order,
    each with its declared length; each payload's sha256 is computed while streaming;
    then only zero padding may follow;
-6. a delta payload's patch is checked like any payload, then applied to its base from the
-   store, and the result's length and sha256 are checked before it is kept;
+6. a delta payload's sizes are capped and its base must be in the store before any
+   payload byte is read; its patch is checked like any payload, then applied to the base,
+   and the result's length and sha256 are checked before it is kept;
 7. staging: the bundle is kept whole in the content store and its payloads indexed.
 
 Every failure is a typed :class:`~ota.errors.BundleRejected` (the bundle's fault), a
@@ -198,6 +199,7 @@ def verify_bundle(
         reader = BundleReader(f, size)
         m, manifest_sha = read_manifest(reader, root, now, max_bytes=policy.max_manifest_bytes)
         _check_policy(m, policy, floors, now)
+        _check_deltas(m, store)
 
         refs: dict[str, tuple[int, int]] = {}
         patches: dict[str, bytes] = {}
@@ -260,10 +262,50 @@ def _not_seen(index: int, name: str, seen: dict[str, int]) -> None:
     seen[name] = index
 
 
+def _check_deltas(m: Signed, store: ContentStore) -> None:
+    """Before any payload byte is read: a delta fits in memory and its base is here.
+
+    A patch is kept in memory and patched there, so its size and its result's are capped
+    up front; a device without the base would otherwise read the whole bundle for nothing.
+    """
+    for p in m.payloads:
+        if p.delta_from is None:
+            continue
+        if max(p.length, p.member_length) > MAX_DELTA_BYTES:
+            raise MalformedBundle(
+                f"payload {p.name!r}: a delta of {p.member_length} bytes making {p.length} "
+                f"bytes; a delta is patched in memory, at most {MAX_DELTA_BYTES} bytes"
+            )
+        if not store.has(p.delta_from):
+            raise Incompatible(
+                f"payload {p.name!r}: delta against {p.delta_from[:12]}, which this device "
+                "does not have"
+            )
+
+
+_BSDIFF_MAGIC = b"BSDIFF40"
+
+
+def _patch_result_size(patch: bytes) -> int | None:
+    """The result size a bsdiff4 patch declares (its header), or None if it has none.
+
+    bsdiff4 allocates that many bytes before it checks anything, so it is compared with
+    the manifest before the patch is applied.
+    """
+    if len(patch) < 32 or patch[:8] != _BSDIFF_MAGIC:
+        return None
+    raw = int.from_bytes(patch[24:32], "little")
+    # bsdiff's offtin: sign and magnitude, the sign in the top bit.
+    return -(raw & ~(1 << 63)) if raw >> 63 else raw
+
+
 def _apply_delta(name: str, base_sha: str, patch: bytes, p: Payload, store: ContentStore) -> bytes:
-    if p.length > MAX_DELTA_BYTES:
-        raise MalformedBundle(
-            f"payload {name!r}: a delta result of {p.length} bytes is over the cap"
+    size = _patch_result_size(patch)
+    if size is None:
+        raise PayloadMismatch(f"payload {name!r}: not a bsdiff4 patch (no BSDIFF40 header)")
+    if size != p.length:
+        raise PayloadMismatch(
+            f"payload {name!r}: the patch makes {size} bytes; the manifest declares {p.length}"
         )
     if not store.has(base_sha):
         raise Incompatible(
