@@ -10,7 +10,8 @@ A payload is stored once, under its sha256, and never changed. Two shapes:
   of hashing.
 
 Readers (:meth:`ContentStore.read`, :meth:`ContentStore.copy_to`) hash what they hand out
-again and refuse a mismatch, so a file damaged at rest is never used. The store is written
+again and refuse a mismatch (:class:`~ota.errors.StorageError`: the disk's fault), so a file
+damaged at rest is never used. The store is written
 only by the verifier (through :meth:`stage`) and cleaned by :meth:`gc`.
 """
 
@@ -25,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ota.errors import PayloadMismatch, StorageError
+from ota.errors import StorageError
 from ota.fsutil import atomic_write, fsync_dir, write_all
 
 _SHA = re.compile(r"^[0-9a-f]{64}$")
@@ -98,10 +99,12 @@ class ContentStore:
         except OSError as exc:
             raise StorageError(f"store: cannot read payload {sha[:12]}: {exc}") from None
         if left or h.hexdigest() != sha:
-            raise PayloadMismatch(f"store: payload {sha[:12]} is damaged on disk")
+            # The device's disk is at fault, not the bundle (verified when it was staged).
+            raise StorageError(f"store: payload {sha[:12]} is damaged on disk")
 
     def read(self, sha: str, *, max_bytes: int) -> bytes:
-        """The payload's bytes, hashed again; :class:`StorageError` when absent or too big."""
+        """The payload's bytes, hashed again; :class:`StorageError` when absent, too big or
+        damaged."""
         return b"".join(self._chunks(sha, max_bytes))
 
     def copy_to(self, sha: str, dest: Path, *, mode: int = 0o640) -> None:
