@@ -168,17 +168,31 @@ class ContentStore:
                 if not blob.exists():
                     atomic_write(blob, data)
                     written.append(blob)
+            repoint: list[tuple[Path, bytes]] = []
             for sha, (offset, length) in refs.items():
                 ref = self.root / f"{_check_sha(sha)}.ref"
+                doc = json.dumps(
+                    {"bundle": dest.name, "offset": offset, "length": length}, sort_keys=True
+                ).encode()
                 if self.has(sha):
+                    ext = self.extent(sha)
+                    if ext is not None and ext.path.parent == self.bundles and ext.path != dest:
+                        repoint.append((ref, doc))
                     continue
-                doc = {"bundle": dest.name, "offset": offset, "length": length}
-                atomic_write(ref, json.dumps(doc, sort_keys=True).encode())
+                atomic_write(ref, doc)
                 written.append(ref)
         except OSError as exc:
             for p in written:
                 p.unlink(missing_ok=True)
             raise StorageError(f"store: staging {bundle.name} failed: {exc}") from None
+        # A payload this bundle shares with an older one (an unchanged model.json) now points
+        # into this bundle: else the older bundle, whole, stays live for that one small file
+        # as long as the new version is kept. Best effort: the old pointer is still correct.
+        for ref, doc in repoint:
+            try:
+                atomic_write(ref, doc)
+            except OSError:
+                break
         return dest
 
     def gc(self, keep: set[str]) -> list[str]:
