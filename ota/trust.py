@@ -84,12 +84,13 @@ def signers(
     signatures: Iterable[Mapping[str, Any]],
     role: Role,
     keys: Mapping[str, Key],
-    now: datetime,
+    now: datetime | None,
     *,
     what: str,
     why: list[str] | None = None,
 ) -> set[str]:
-    """The distinct key ids of ``role`` whose signature over ``data`` verifies at ``now``.
+    """The distinct key ids of ``role`` whose signature over ``data`` verifies at ``now``
+    (``None``: whatever the keys' expiry, for an integrity check).
 
     Signatures by keys outside the role, expired keys or malformed entries do not count;
     they are not errors by themselves (TUF: extra signatures are ignored). ``why``, when
@@ -111,7 +112,7 @@ def signers(
         if key is None or kid not in role.keyids:
             lines.append(f"{at}: key {short} is not a {role.name} key of this root")
             continue
-        if not key.valid_at(now):
+        if now is not None and not key.valid_at(now):
             assert key.expires is not None  # valid_at is only false with an expiry
             lines.append(f"{at}: key {short} expired at {key.expires:%Y-%m-%dT%H:%M:%SZ}")
             continue
@@ -233,12 +234,16 @@ def load_root(data: bytes, now: datetime) -> TrustRoot:
 
     The first root is trusted because it was installed, not because it signs itself; the
     self-signature still catches a damaged or hand-edited file. Expiry is *not* checked
-    here (an expired root must still be replaceable); verification checks it.
+    here, neither the root's (an expired root must still be replaceable; verification
+    checks it) nor its root keys': the self-signature is an integrity check, and a root
+    key past its ``expires`` must not make the whole root unloadable, which would refuse
+    bundles signed by keys that are still valid. ``now`` is kept for callers' symmetry.
     """
+    del now
     root, sigs, body = _parse(data)
     role = root.roles["root"]
     why: list[str] = []
-    ok = signers(body, sigs, role, root.keys, now, what="root.json", why=why)
+    ok = signers(body, sigs, role, root.keys, None, what="root.json", why=why)
     if len(ok) < role.threshold:
         raise TrustError(
             f"root.json: {len(ok)} valid root signature(s); its threshold is {role.threshold}"
