@@ -265,9 +265,14 @@ def step(
 
     if event == "abort" and j.state == "idle":
         # A manual rollback of a committed version: the newest kept one of update.kind
-        # comes back (no target: nothing new is involved).
+        # comes back, or the factory version when none is kept (no target: nothing new
+        # is involved). The floor stays: anti-rollback guards what may be *installed*.
         if update is None or not update.kind:
             raise ValueError("a rollback from idle needs update.kind")
+        if update.kind not in active and not kept.get(update.kind):
+            raise IllegalTransition(
+                f"OTA: nothing to roll back: {update.kind} runs its factory version"
+            )
         up = replace(update, target=None, replaced=None, started_ns=now_ns)
         reason = reason or "rollback requested"
     elif event == "verified":
@@ -302,6 +307,10 @@ def step(
             if back:
                 active[up.kind] = back[0]
                 kept[up.kind] = back[1:]
+            else:
+                # Nothing kept: the version before was the factory one (or is no longer
+                # on the device), which is what runs when nothing is active.
+                active.pop(up.kind, None)
         last = Outcome("rolled_back", up.bundle_id, up.version, up.reason or reason, now_ns)
         up = None
     elif event == "rejected":
