@@ -732,6 +732,54 @@ def test_gnu_long_name_member(env: Env) -> None:
     refused(env, _raw_bundle(env, _info("x" * 150), b"x"), MalformedBundle, "GNU long name")
 
 
+def test_a_global_pax_path_is_refused(env: Env) -> None:
+    """GNU tar and Python's tarfile name every member after it; so would an operator."""
+    manifest = build.sign_envelope(signed_for(members()), [env.keys.a])
+    path = env.cs.incoming / "b.efb"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT, pax_headers={"path": "../evil"}) as tar:
+        for name, data in [("manifest.json", manifest), *members()]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with tarfile.open(path) as tar:
+        assert tar.getnames() == ["../evil"] * 3
+    refused(env, path, MalformedBundle, "global pax header sets path '../evil'")
+
+
+def _rewrite_header(path: Path, offset: int, at: int, value: bytes) -> None:
+    """Put ``value`` at byte ``at`` of the header at ``offset`` and fix its checksum."""
+    with path.open("r+b") as f:
+        f.seek(offset)
+        block = bytearray(f.read(512))
+        block[at : at + len(value)] = value
+        block[148:156] = b" " * 8
+        block[148:156] = b"%06o\0 " % sum(block)
+        f.seek(offset)
+        f.write(block)
+
+
+def test_a_gnu_header_with_a_name_prefix_is_refused(env: Env) -> None:
+    manifest = build.sign_envelope(signed_for(members()), [env.keys.a])
+    path = env.cs.incoming / "b.efb"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data in [("manifest.json", manifest), *members()]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    header, _ = _offsets(path)["model.tflite"]
+    _rewrite_header(path, header, 345, b"..")
+    with tarfile.open(path) as tar:
+        assert "../model.tflite" in tar.getnames()  # what Python's tarfile would extract
+    refused(env, path, MalformedBundle, "member 1", "name-prefix field", "b'..'")
+
+
+def test_a_ustar_name_prefix_makes_a_path(env: Env) -> None:
+    path = env.bundle()
+    header, _ = _offsets(path)["model.json"]
+    _rewrite_header(path, header, 345, b"models")
+    refused(env, path, MalformedBundle, "'models/model.json'", "plain file names only")
+
+
 def test_mix_and_match_payload_of_a_with_manifest_of_b(env: Env) -> None:
     other = bytes(reversed(TFLITE))  # same length, other bytes
     a_members = members(tflite=other)
