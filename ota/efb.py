@@ -112,6 +112,7 @@ class BundleReader:
         if self._pending_data:
             raise RuntimeError("read or skip the previous member's data first")
         pax_name: str | None = None
+        pending_x = False
         while True:
             what = f"member {self._index}"
             if self._pos >= self._size:
@@ -139,6 +140,11 @@ class BundleReader:
             size = _octal(block[124:136], what=f"{what} size")
             typeflag = block[156:157]
             if typeflag in (b"x", b"g"):
+                if pending_x:
+                    # Readers disagree on which one names the member (tarfile: the
+                    # first; GNU tar: the last): one extended header per member.
+                    raise MalformedBundle(f"{what}: a second pax header before its member")
+                pending_x = typeflag == b"x"
                 pax = self._read_pax(size, what=f"{what} pax header")
                 if "path" in pax and typeflag == b"g":
                     # GNU tar and Python's tarfile name every later member by it.
