@@ -746,6 +746,62 @@ def test_a_global_pax_path_is_refused(env: Env) -> None:
     refused(env, path, MalformedBundle, "global pax header sets path '../evil'")
 
 
+def _pax_record(key: str, value: str) -> bytes:
+    body = f" {key}={value}\n".encode()
+    n = len(body) + 1
+    while len(str(n)) + len(body) != n:
+        n += 1
+    return str(n).encode() + body
+
+
+def _block(info: tarfile.TarInfo, data: bytes) -> bytes:
+    info.size = len(data)
+    return info.tobuf(format=tarfile.USTAR_FORMAT) + data + bytes(-len(data) % 512)
+
+
+def test_two_pax_headers_for_one_member_are_refused(env: Env) -> None:
+    """Python's tarfile takes the first path, GNU tar (and a naive reader) the last."""
+    manifest = build.sign_envelope(signed_for(members()), [env.keys.a])
+    pax = tarfile.TarInfo("PaxHeader")
+    pax.type = tarfile.XHDTYPE
+    blob = _block(tarfile.TarInfo("manifest.json"), manifest)
+    blob += _block(pax, _pax_record("path", "model.tflite"))
+    blob += _block(pax, _pax_record("path", "evil.tflite"))
+    for name, data in members():
+        blob += _block(tarfile.TarInfo(name), data)
+    path = env.cs.incoming / "b.efb"
+    path.write_bytes(blob + bytes(1024))
+    with tarfile.open(path) as tar:
+        assert tar.getnames()[1] == "model.tflite"
+    refused(env, path, MalformedBundle, "member 1", "a second pax header")
+
+
+def test_a_pax_path_names_the_member(env: Env) -> None:
+    manifest = build.sign_envelope(signed_for(members()), [env.keys.a])
+    pax = tarfile.TarInfo("PaxHeader")
+    pax.type = tarfile.XHDTYPE
+    blob = _block(tarfile.TarInfo("manifest.json"), manifest)
+    blob += _block(pax, _pax_record("path", "model.tflite") + _pax_record("mtime", "1.5"))
+    blob += _block(tarfile.TarInfo("ignored-raw-name"), TFLITE)
+    blob += _block(tarfile.TarInfo("model.json"), MODEL_JSON)
+    path = env.cs.incoming / "b.efb"
+    path.write_bytes(blob + bytes(1024))
+    assert env.verify(path).payloads["model.tflite"] == hashlib.sha256(TFLITE).hexdigest()
+
+
+def test_a_pax_header_with_other_keys_is_refused(env: Env) -> None:
+    manifest = build.sign_envelope(signed_for(members()), [env.keys.a])
+    pax = tarfile.TarInfo("PaxHeader")
+    pax.type = tarfile.XHDTYPE
+    blob = _block(tarfile.TarInfo("manifest.json"), manifest)
+    blob += _block(pax, _pax_record("size", "10"))
+    for name, data in members():
+        blob += _block(tarfile.TarInfo(name), data)
+    path = env.cs.incoming / "b.efb"
+    path.write_bytes(blob + bytes(1024))
+    refused(env, path, MalformedBundle, "member 1 pax header", "key 'size' is not allowed")
+
+
 def _rewrite_header(path: Path, offset: int, at: int, value: bytes) -> None:
     """Put ``value`` at byte ``at`` of the header at ``offset`` and fix its checksum."""
     with path.open("r+b") as f:
