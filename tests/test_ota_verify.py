@@ -273,6 +273,12 @@ def test_an_expired_root_refuses_every_bundle(env: Env, k: Keys) -> None:
     refused(env, env.bundle(), TrustError, "trust root version 1 expired at")
 
 
+def test_an_expired_root_refuses_before_reading_the_bundle(env: Env, k: Keys) -> None:
+    env.root = trust.load_root(make_root([k.root], [k.a], expires=NOW), NOW)
+    for path in (env.bundle(), env.cs.incoming / "absent.efb"):
+        refused(env, path, TrustError, "install a newer root.json")
+
+
 def test_unsigned_bundle(env: Env) -> None:
     signed = signed_for(members())
     refused(env, env.bundle(manifest=manifest_doc(signed, [])), SignatureInvalid, "unsigned")
@@ -484,6 +490,68 @@ def test_model_bundle_without_its_model(env: Env) -> None:
     refused(
         env, env.bundle(payloads=payloads), MalformedBundle, "needs payload(s) ['model.tflite']"
     )
+
+
+@pytest.mark.parametrize(
+    ("over", "why"),
+    [
+        ({"expires": "2026-02-30T00:00:00Z"}, "signed.expires: not a real instant"),
+        ({"expires": "2026-12-30"}, "signed.expires"),
+        ({"compat": {"device_types": ["motor-drive"], "agent": "at least 0.1"}}, "PEP 440"),
+        ({"compat": {"device_types": []}}, "signed.compat.device_types"),
+        ({"probation": {"seconds": 3601}}, "signed.probation.seconds"),
+        ({"kind": "firmware"}, "signed.kind"),
+        ({"version": "1.1"}, "signed.version"),
+        ({"counter": -1}, "signed.counter"),
+        ({"payloads": []}, "signed.payloads"),
+        ({"bundle_id": "a b"}, "signed.bundle_id"),
+    ],
+)
+def test_signed_field_faults(env: Env, over: dict[str, Any], why: str) -> None:
+    signed = signed_for(members()) | over
+    refused(env, env.bundle(signed=signed), MalformedBundle, "manifest: ", why)
+
+
+def test_a_missing_field_is_named(env: Env) -> None:
+    signed = signed_for(members())
+    del signed["counter"]
+    refused(env, env.bundle(signed=signed), MalformedBundle, "missing required field `counter`")
+
+
+def test_payload_name_that_is_a_path(env: Env) -> None:
+    payloads = [("model.tflite", TFLITE), ("model.json", MODEL_JSON)]
+    signed = signed_for(payloads)
+    signed["payloads"][1]["name"] = "../model.json"
+    refused(env, env.bundle(signed=signed), MalformedBundle, "signed.payloads[1].name")
+
+
+def test_a_config_bundle_verifies(env: Env) -> None:
+    payloads = [("agent.toml", b'[device]\nname = "gw-1"\n')]
+    signed = signed_for(payloads, kind="config", required_permissions=["config:write"])
+    policy = Policy("motor-drive", "0.1.0", frozenset({"config:write"}))
+    vb = env.verify(env.bundle(payloads=payloads, signed=signed), policy=policy)
+    assert vb.kind == "config"
+    assert env.cs.read(vb.payloads["agent.toml"], max_bytes=1024) == payloads[0][1]
+
+
+@pytest.mark.parametrize(
+    ("wheels", "ok"),
+    [
+        (["edgefleet-0.2.0-py3-none-any.whl"], True),
+        (["edgefleet.whl"], False),
+        (["edgefleet-0.2.0-py3-none-any.whl", "other-1.0-py3-none-any.whl"], False),
+        ([], False),
+    ],
+)
+def test_an_agent_bundle_carries_exactly_one_wheel(env: Env, wheels: list[str], ok: bool) -> None:
+    payloads = [(w, b"PK wheel " + w.encode()) for w in wheels] + [("NOTES", b"x")]
+    signed = signed_for(payloads, kind="agent", required_permissions=["agent:replace"])
+    policy = Policy("motor-drive", "0.1.0", frozenset({"agent:replace"}))
+    path = env.bundle(payloads=payloads, signed=signed)
+    if ok:
+        assert env.verify(path, policy=policy).kind == "agent"
+    else:
+        refused(env, path, MalformedBundle, "exactly one wheel", policy=policy)
 
 
 # -- policy ---------------------------------------------------------------------------------
