@@ -28,6 +28,8 @@ Every failure is a typed :class:`~ota.errors.BundleRejected` (the bundle's fault
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -185,11 +187,17 @@ def verify_bundle(
         raise TrustError("no trust root configured: every bundle is refused")
     root.require_current(now)
     try:
-        size = path.stat().st_size
-        f = path.open("rb")
+        # O_NONBLOCK: opening a FIFO (``ota install`` of the wrong path) must not hang
+        # waiting for a writer; on a regular file it changes nothing.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise MalformedBundle(f"{path.name}: cannot read: {exc.strerror}") from None
-    with f:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise MalformedBundle(f"{path.name}: not a regular file")
+    size = st.st_size
+    with os.fdopen(fd, "rb") as f:
         if size > policy.max_bundle_bytes:
             raise MalformedBundle(
                 f"{path.name}: {size} bytes; the limit is {policy.max_bundle_bytes}"
