@@ -744,6 +744,19 @@ def test_garbage_and_empty_files(env: Env, content: bytes, why: str) -> None:
     refused(env, path, MalformedBundle, why)
 
 
+@pytest.mark.timeout(10)
+def test_a_fifo_is_refused_without_waiting_for_a_writer(env: Env) -> None:
+    path = env.cs.incoming / "b.efb"
+    os.mkfifo(path)
+    refused(env, path, MalformedBundle, "b.efb: not a regular file")
+
+
+def test_a_directory_is_refused(env: Env) -> None:
+    path = env.cs.incoming / "b.efb"
+    path.mkdir()
+    refused(env, path, MalformedBundle, "b.efb: not a regular file")
+
+
 def test_missing_file(env: Env) -> None:
     refused(env, env.cs.incoming / "nope.efb", MalformedBundle, "nope.efb", "cannot read")
 
