@@ -4,7 +4,8 @@ A payload is stored once, under its sha256, and never changed. Two shapes:
 
 - ``store/<sha256>`` — the payload's bytes (a delta's result, a file written here);
 - ``store/<sha256>.ref`` — ``{"bundle", "offset", "length"}``: the bytes are a byte range
-  of a verified bundle kept whole in ``store/bundles/``. Staging a 50 MB bundle therefore
+  of a verified bundle kept whole in ``store/bundles/`` (named by its manifest's sha256 and
+  its layout). Staging a 50 MB bundle therefore
   writes no payload byte a second time: the fetched file is renamed into the store, which
   spares the device's flash a second 50 MB write and keeps verify+stage at about the cost
   of hashing.
@@ -138,7 +139,12 @@ class ContentStore:
         *,
         keep_source: bool,
     ) -> Path:
-        """Keep ``bundle`` as ``bundles/<name>.efb`` and index its payloads.
+        """Keep ``bundle`` as ``bundles/<name>-<layout>.efb`` and index its payloads.
+
+        ``layout`` digests the payloads' byte ranges: one manifest packed by two tars has
+        two layouts, and a ref must point into the file whose offsets it holds. The same
+        layout again is the same bytes at the same ranges (each range's sha256 was
+        checked), so that file is shared.
 
         ``refs``: sha -> (offset, length) inside the bundle; ``blobs``: sha -> bytes made
         here (delta results). A bundle already in ``incoming/`` is renamed (no copy); any
@@ -146,7 +152,8 @@ class ContentStore:
         Any ``OSError`` (a full disk) removes what this call wrote and raises StorageError.
         """
         self.ensure()
-        dest = self.bundles / f"{name}.efb"
+        layout = hashlib.sha256(json.dumps(sorted(refs.items())).encode()).hexdigest()[:16]
+        dest = self.bundles / f"{name}-{layout}.efb"
         written: list[Path] = []
         try:
             if not dest.exists():
