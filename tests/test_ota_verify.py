@@ -219,7 +219,7 @@ def test_model_bundle_verifies_and_stages_zero_copy(env: Env) -> None:
     assert not path.exists()
     assert vb.path.parent == env.cs.bundles
     assert vb.path.stat().st_ino == inode
-    assert vb.path.name == f"{vb.manifest_sha256}.efb"
+    assert vb.path.name.startswith(f"{vb.manifest_sha256}-")
     for sha in vb.payloads.values():
         ref = json.loads((env.cs.root / f"{sha}.ref").read_bytes())
         assert ref["bundle"] == vb.path.name
@@ -1176,3 +1176,37 @@ def test_openssl_signature_over_other_bytes_is_refused(env: Env, tmp_path: Path)
     _run(["openssl", "dgst", "-sha256", "-sign", "k.pem", "-out", "sig.der", "signed.json"], work)
     doc = manifest_doc(signed, [entry(kid(env.keys.a), (work / "sig.der").read_bytes())])
     refused(env, env.bundle(manifest=doc), SignatureInvalid, "does not verify")
+
+
+def test_the_same_manifest_packed_another_way_stages_correctly(env: Env, tmp_path: Path) -> None:
+    """Offsets are the layout's: a second packing of one manifest must not reuse the first
+    file's name with its own offsets."""
+    first = env.verify(env.bundle("ustar.efb"))
+    tflite, model_json = first.payloads["model.tflite"], first.payloads["model.json"]
+    # Only model.json stays in use (say another version shares it): the first file stays,
+    # model.tflite's index goes.
+    env.cs.gc({model_json})
+    assert first.path.exists()
+    assert not env.cs.has(tflite)
+
+    manifest = build.sign_envelope(signed_for(members()), [env.keys.a])
+    work = tmp_path / "repack"
+    work.mkdir()
+    (work / "manifest.json").write_bytes(manifest)
+    for name, data in members():
+        (work / name).write_bytes(data)
+    out = env.cs.incoming / "posix.efb"
+    _run(["tar", "--format=posix", "-cf", str(out), "manifest.json", *dict(members())], work)
+    second = env.verify(out)
+    assert second.manifest_sha256 == first.manifest_sha256
+    assert second.path != first.path
+    assert env.cs.read(tflite, max_bytes=1 << 20) == TFLITE
+    assert env.cs.read(model_json, max_bytes=1 << 20) == MODEL_JSON
+
+
+def test_the_same_bundle_twice_is_kept_once(env: Env) -> None:
+    path = env.bundle()
+    a = env.verify(path, keep_source=True)
+    b = env.verify(path, keep_source=True)
+    assert a.path == b.path
+    assert [p.name for p in env.cs.bundles.iterdir()] == [a.path.name]
