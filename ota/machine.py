@@ -195,22 +195,36 @@ class Journal:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Journal:
+        """The journal ``to_json`` wrote; anything else is a :class:`ValueError` that says
+        what is wrong (a damaged journal must not pass for a consistent one)."""
         state = d.get("state", "idle")
         if state not in {s for s, _ in TRANSITIONS} | set(TRANSITIONS.values()):
-            raise ValueError(f"unknown state {state!r}")
-        last = d.get("last")
-        return cls(
-            state=state,
-            update=Update.from_json(d["update"]) if d.get("update") else None,
-            active={str(k): Installed.from_json(v) for k, v in dict(d.get("active", {})).items()},
-            kept={
-                str(k): tuple(Installed.from_json(v) for v in vs)
-                for k, vs in dict(d.get("kept", {})).items()
-            },
-            floors={str(k): int(v) for k, v in dict(d.get("floors", {})).items()},
-            last=Outcome(**last) if last else None,
-            generation=int(d.get("generation", 0)),
-        )
+            raise ValueError(f"journal: unknown state {state!r}")
+        try:
+            last = d.get("last")
+            j = cls(
+                state=state,
+                update=Update.from_json(d["update"]) if d.get("update") else None,
+                active={
+                    str(k): Installed.from_json(v) for k, v in dict(d.get("active", {})).items()
+                },
+                kept={
+                    str(k): tuple(Installed.from_json(v) for v in vs)
+                    for k, vs in dict(d.get("kept", {})).items()
+                },
+                floors={str(k): int(v) for k, v in dict(d.get("floors", {})).items()},
+                last=Outcome(**last) if last else None,
+                generation=int(d.get("generation", 0)),
+            )
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"journal: malformed ({type(exc).__name__}: {exc})") from None
+        # What step() guarantees, checked again: recover() decides from these.
+        if (state == "idle") != (j.update is None):
+            raise ValueError(f"journal: state {state!r} with{'' if j.update else 'out'} an update")
+        needs_target = state in ("staged", "activating", "probation", "committing")
+        if needs_target and j.update is not None and j.update.target is None:
+            raise ValueError(f"journal: state {state!r} without the verified target")
+        return j
 
     def payloads_in_use(self) -> set[str]:
         """Every sha the store must keep: active, kept, and the update in flight."""
