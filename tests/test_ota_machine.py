@@ -342,8 +342,27 @@ def test_journal_json_round_trip_after_a_real_run() -> None:
 
 
 def test_journal_from_json_refuses_an_unknown_state() -> None:
-    with pytest.raises(ValueError, match="unknown state 'exploding'"):
+    with pytest.raises(ValueError, match="journal: unknown state 'exploding'"):
         Journal.from_json({"state": "exploding"})
+
+
+@pytest.mark.parametrize(
+    ("mutate", "why"),
+    [
+        (lambda d: d["active"]["model"].pop("counter"), r"malformed \(KeyError: 'counter'\)"),
+        (lambda d: d["active"].update(model=[1]), r"malformed \(TypeError"),
+        (lambda d: d["floors"].update(model="two"), r"malformed \(ValueError"),
+        (lambda d: d.update(last={"result": "committed", "surprise": 1}), "malformed"),
+        (lambda d: d.update(update=None), "state 'probation' without an update"),
+        (lambda d: d["update"].update(target=None), "state 'probation' without the verified"),
+        (lambda d: d.update(state="idle"), "state 'idle' with an update"),
+    ],
+)
+def test_journal_from_json_refuses_a_damaged_journal(mutate: Any, why: str) -> None:
+    d = json.loads(json.dumps(journal_in("probation").to_json()))
+    mutate(d)
+    with pytest.raises(ValueError, match=f"journal: {why}"):
+        Journal.from_json(d)
 
 
 def test_empty_journal_json_is_idle() -> None:
