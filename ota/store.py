@@ -4,16 +4,15 @@ A payload is stored once, under its sha256, and never changed. Two shapes:
 
 - ``store/<sha256>`` — the payload's bytes (a delta's result, a file written here);
 - ``store/<sha256>.ref`` — ``{"bundle", "offset", "length"}``: the bytes are a byte range
-  of a verified bundle kept whole in ``store/bundles/`` (named by its manifest's sha256 and
-  its layout). Staging a 50 MB bundle therefore
-  writes no payload byte a second time: the fetched file is renamed into the store, which
-  spares the device's flash a second 50 MB write and keeps verify+stage at about the cost
-  of hashing.
+  of a verified bundle kept whole in ``store/bundles/`` (named by its manifest's sha256
+  and its layout). Staging a 50 MB bundle therefore writes no payload byte a second time:
+  the fetched file is renamed into the store, which spares the device's flash a second
+  50 MB write and keeps verify+stage at about the cost of hashing.
 
 Readers (:meth:`ContentStore.read`, :meth:`ContentStore.copy_to`) hash what they hand out
-again and refuse a mismatch (:class:`~ota.errors.StorageError`: the disk's fault), so a file
-damaged at rest is never used. The store is written
-only by the verifier (through :meth:`stage`) and cleaned by :meth:`gc`.
+again and refuse a mismatch (:class:`~ota.errors.StorageError`: the disk's fault), so a
+file damaged at rest is never used. The store is written only by the verifier (through
+:meth:`stage`) and cleaned by :meth:`gc`.
 """
 
 from __future__ import annotations
