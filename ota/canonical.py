@@ -17,6 +17,9 @@ from ota.errors import MalformedBundle
 
 #: Nesting deeper than this is refused before Python's recursion limit is near.
 MAX_DEPTH = 16
+#: No field we sign needs more (a counter is < 2**63: 19 digits). Python refuses to parse
+#: an integer of more than 4300 digits with a bare ValueError; we refuse long before.
+MAX_INT_DIGITS = 64
 
 
 class _Refuse(ValueError):
@@ -31,6 +34,13 @@ def _no_constants(text: str) -> float:
     raise _Refuse(f"{text} is not allowed")
 
 
+def _int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise _Refuse(f"an integer of {digits} digits is not allowed (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
 def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
@@ -40,19 +50,35 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _depth(value: object, level: int = 0) -> None:
+def _utf8(text: str) -> None:
+    # JSON's \uXXXX escapes can name a lone surrogate, which is no character: the canonical
+    # bytes (UTF-8) of a document holding one cannot be made, so it cannot be signed.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _Refuse(
+            f"string {text[:40]!r} holds a lone surrogate (\\u{ord(text[exc.start]):04x})"
+        ) from None
+
+
+def _check(value: object, level: int = 0) -> None:
+    """Depth and strings of a parsed document: what ``json`` itself lets through."""
     if level > MAX_DEPTH:
         raise _Refuse(f"nested deeper than {MAX_DEPTH} levels")
-    if isinstance(value, dict):
-        for v in value.values():
-            _depth(v, level + 1)
+    if isinstance(value, str):
+        _utf8(value)
+    elif isinstance(value, dict):
+        for key, v in value.items():
+            _utf8(key)
+            _check(v, level + 1)
     elif isinstance(value, list):
         for v in value:
-            _depth(v, level + 1)
+            _check(v, level + 1)
 
 
 def loads_strict(data: bytes, *, what: str, max_bytes: int) -> dict[str, Any]:
-    """Parse ``data`` as one JSON object: UTF-8, no duplicate keys, no floats, no NaN.
+    """Parse ``data`` as one JSON object: UTF-8, no duplicate keys, no floats, no NaN, no
+    lone surrogates, integers of at most :data:`MAX_INT_DIGITS` digits.
 
     The size is checked before any parsing. Raises :class:`MalformedBundle` naming ``what``.
     """
@@ -68,8 +94,9 @@ def loads_strict(data: bytes, *, what: str, max_bytes: int) -> dict[str, Any]:
             object_pairs_hook=_pairs,
             parse_float=_no_floats,
             parse_constant=_no_constants,
+            parse_int=_int,
         )
-        _depth(value)
+        _check(value)
     except _Refuse as exc:
         raise MalformedBundle(f"{what}: {exc}") from None
     except (json.JSONDecodeError, RecursionError) as exc:

@@ -6,7 +6,9 @@ checksum, octal size, member type and name are checked from the header alone, an
 caller decides from the declared size whether to read the data at all.
 
 Accepted: regular files (``0`` / NUL) in ustar, GNU (``ustar  ``) or pax layout, and pax
-``x``/``g`` headers that carry only times and ownership (what ``tar --format=posix`` adds).
+``x``/``g`` headers that carry only times and ownership (what ``tar --format=posix`` adds),
+plus ``path`` in an ``x`` header. Anything that other tar readers would name differently
+(a ``path`` in a global header, a GNU header with a name prefix) is refused too.
 Refused with the member's index and name: links, devices, FIFOs, directories, GNU long
 names, sparse files, base-256 sizes, names with a ``/``, and any byte other than zero after
 the end-of-archive block (what appending to a bundle produces).
@@ -70,11 +72,14 @@ def _checksum_ok(block: bytes, *, what: str) -> None:
         raise MalformedBundle(f"{what}: header checksum mismatch (not a tar header)")
 
 
-def _check_name(raw: bytes, index: int) -> str:
+def _decode_name(raw: bytes, index: int) -> str:
     try:
-        name = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise MalformedBundle(f"member {index}: name is not UTF-8") from None
+
+
+def _check_name(name: str, index: int) -> str:
     what = f"member {index} {name!r}"
     if name.startswith("/"):
         raise MalformedBundle(f"{what}: absolute path")
@@ -107,6 +112,7 @@ class BundleReader:
         if self._pending_data:
             raise RuntimeError("read or skip the previous member's data first")
         pax_name: str | None = None
+        pending_x = False
         while True:
             what = f"member {self._index}"
             if self._pos >= self._size:
@@ -120,22 +126,44 @@ class BundleReader:
             if magic not in (b"ustar\x00", b"ustar "):
                 raise MalformedBundle(f"{what}: not a POSIX/GNU tar header (magic {magic!r})")
             raw_name = block[:100].split(b"\0", 1)[0]
-            prefix = block[345:500].split(b"\0", 1)[0] if magic == b"ustar\x00" else b""
+            # ustar's name prefix. A GNU header keeps other fields there, but Python's
+            # tarfile reads it as a prefix whatever the magic: a bundle must not name its
+            # members differently for different readers, so in a GNU header it stays empty.
+            prefix = block[345:500].split(b"\0", 1)[0]
+            if prefix and magic != b"ustar\x00":
+                raise MalformedBundle(
+                    f"{what}: a GNU header with data in the ustar name-prefix field "
+                    f"({prefix[:32]!r}); other tar readers would see another name"
+                )
             if prefix:
                 raw_name = prefix + b"/" + raw_name
             size = _octal(block[124:136], what=f"{what} size")
             typeflag = block[156:157]
             if typeflag in (b"x", b"g"):
+                if pending_x:
+                    # Readers disagree on which one names the member (tarfile: the
+                    # first; GNU tar: the last): one extended header per member.
+                    raise MalformedBundle(f"{what}: a second pax header before its member")
+                pending_x = typeflag == b"x"
                 pax = self._read_pax(size, what=f"{what} pax header")
-                if "path" in pax and typeflag == b"x":
+                if "path" in pax and typeflag == b"g":
+                    # GNU tar and Python's tarfile name every later member by it.
+                    raise MalformedBundle(
+                        f"{what}: a global pax header sets path {pax['path'][:64]!r}; "
+                        "tar readers would give every member that name"
+                    )
+                if "path" in pax:
                     pax_name = pax["path"]
                 continue
-            name = _check_name(pax_name.encode() if pax_name else raw_name, self._index)
+            name = pax_name if pax_name is not None else _decode_name(raw_name, self._index)
+            # The type first: a directory ("models/") or a GNU long name ("././@LongLink")
+            # is reported as what it is, not as a name with a slash.
             if typeflag not in (b"0", b"\0"):
                 kind = _TYPES.get(typeflag, f"of type {typeflag!r}")
                 raise MalformedBundle(
                     f"member {self._index} {name!r}: is {kind}; only regular files allowed"
                 )
+            _check_name(name, self._index)
             if self._pos + size > self._size:
                 raise MalformedBundle(
                     f"member {self._index} {name!r}: declares {size} bytes; "

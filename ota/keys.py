@@ -87,8 +87,14 @@ def sign(key: ec.EllipticCurvePrivateKey, data: bytes) -> str:
 
 def decode_sig(sig: object, *, where: str) -> bytes:
     """The DER bytes of a base64 signature; anything else is :class:`SignatureInvalid`."""
-    if not isinstance(sig, str) or not sig or len(sig) > MAX_SIG_B64:
+    if not isinstance(sig, str) or not sig:
         raise SignatureInvalid(f"{where}: expected base64 of a DER signature")
+    if len(sig) > MAX_SIG_B64:
+        # A P-384 or RSA signature, or junk: too long to be P-256, whatever it is.
+        raise SignatureInvalid(
+            f"{where}: {len(sig)} characters; base64 of a P-256 DER signature has at most "
+            f"{MAX_SIG_B64}"
+        )
     try:
         return base64.b64decode(sig, validate=True)
     except (binascii.Error, ValueError):

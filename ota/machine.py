@@ -210,22 +210,36 @@ class Journal:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Journal:
+        """The journal ``to_json`` wrote; anything else is a :class:`ValueError` that says
+        what is wrong (a damaged journal must not pass for a consistent one)."""
         state = d.get("state", "idle")
         if state not in {s for s, _ in TRANSITIONS} | set(TRANSITIONS.values()):
-            raise ValueError(f"unknown state {state!r}")
-        last = d.get("last")
-        return cls(
-            state=state,
-            update=Update.from_json(d["update"]) if d.get("update") else None,
-            active={str(k): Installed.from_json(v) for k, v in dict(d.get("active", {})).items()},
-            kept={
-                str(k): tuple(Installed.from_json(v) for v in vs)
-                for k, vs in dict(d.get("kept", {})).items()
-            },
-            floors={str(k): int(v) for k, v in dict(d.get("floors", {})).items()},
-            last=Outcome(**last) if last else None,
-            generation=int(d.get("generation", 0)),
-        )
+            raise ValueError(f"journal: unknown state {state!r}")
+        try:
+            last = d.get("last")
+            j = cls(
+                state=state,
+                update=Update.from_json(d["update"]) if d.get("update") else None,
+                active={
+                    str(k): Installed.from_json(v) for k, v in dict(d.get("active", {})).items()
+                },
+                kept={
+                    str(k): tuple(Installed.from_json(v) for v in vs)
+                    for k, vs in dict(d.get("kept", {})).items()
+                },
+                floors={str(k): int(v) for k, v in dict(d.get("floors", {})).items()},
+                last=Outcome(**last) if last else None,
+                generation=int(d.get("generation", 0)),
+            )
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"journal: malformed ({type(exc).__name__}: {exc})") from None
+        # What step() guarantees, checked again: recover() decides from these.
+        if (state == "idle") != (j.update is None):
+            raise ValueError(f"journal: state {state!r} with{'' if j.update else 'out'} an update")
+        needs_target = state in ("staged", "activating", "probation", "committing")
+        if needs_target and j.update is not None and j.update.target is None:
+            raise ValueError(f"journal: state {state!r} without the verified target")
+        return j
 
     def payloads_in_use(self) -> set[str]:
         """Every sha the store must keep: active, kept, and the update in flight."""
@@ -280,9 +294,14 @@ def step(
 
     if event == "abort" and j.state == "idle":
         # A manual rollback of a committed version: the newest kept one of update.kind
-        # comes back (no target: nothing new is involved).
+        # comes back, or the factory version when none is kept (no target: nothing new
+        # is involved). The floor stays: anti-rollback guards what may be *installed*.
         if update is None or not update.kind:
             raise ValueError("a rollback from idle needs update.kind")
+        if update.kind not in active and not kept.get(update.kind):
+            raise IllegalTransition(
+                f"OTA: nothing to roll back: {update.kind} runs its factory version"
+            )
         up = replace(update, target=None, replaced=None, started_ns=now_ns)
         reason = reason or "rollback requested"
     elif event == "verified":
@@ -319,6 +338,10 @@ def step(
             if back:
                 active[up.kind] = back[0]
                 kept[up.kind] = back[1:]
+            else:
+                # Nothing kept: the version before was the factory one (or is no longer
+                # on the device), which is what runs when nothing is active.
+                active.pop(up.kind, None)
         last = Outcome("rolled_back", up.bundle_id, up.version, up.reason or reason, now_ns)
         up = None
     elif event == "rejected":

@@ -4,14 +4,15 @@ A payload is stored once, under its sha256, and never changed. Two shapes:
 
 - ``store/<sha256>`` — the payload's bytes (a delta's result, a file written here);
 - ``store/<sha256>.ref`` — ``{"bundle", "offset", "length"}``: the bytes are a byte range
-  of a verified bundle kept whole in ``store/bundles/``. Staging a 50 MB bundle therefore
-  writes no payload byte a second time: the fetched file is renamed into the store, which
-  spares the device's flash a second 50 MB write and keeps verify+stage at about the cost
-  of hashing.
+  of a verified bundle kept whole in ``store/bundles/`` (named by its manifest's sha256
+  and its layout). Staging a 50 MB bundle therefore writes no payload byte a second time:
+  the fetched file is renamed into the store, which spares the device's flash a second
+  50 MB write and keeps verify+stage at about the cost of hashing.
 
 Readers (:meth:`ContentStore.read`, :meth:`ContentStore.copy_to`) hash what they hand out
-again and refuse a mismatch, so a file damaged at rest is never used. The store is written
-only by the verifier (through :meth:`stage`) and cleaned by :meth:`gc`.
+again and refuse a mismatch (:class:`~ota.errors.StorageError`: the disk's fault), so a
+file damaged at rest is never used. The store is written only by the verifier (through
+:meth:`stage`) and cleaned by :meth:`gc`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ota.errors import PayloadMismatch, StorageError
+from ota.errors import StorageError
 from ota.fsutil import atomic_write, fsync_dir, write_all
 
 _SHA = re.compile(r"^[0-9a-f]{64}$")
@@ -98,10 +99,12 @@ class ContentStore:
         except OSError as exc:
             raise StorageError(f"store: cannot read payload {sha[:12]}: {exc}") from None
         if left or h.hexdigest() != sha:
-            raise PayloadMismatch(f"store: payload {sha[:12]} is damaged on disk")
+            # The device's disk is at fault, not the bundle (verified when it was staged).
+            raise StorageError(f"store: payload {sha[:12]} is damaged on disk")
 
     def read(self, sha: str, *, max_bytes: int) -> bytes:
-        """The payload's bytes, hashed again; :class:`StorageError` when absent or too big."""
+        """The payload's bytes, hashed again; :class:`StorageError` when absent, too big or
+        damaged."""
         return b"".join(self._chunks(sha, max_bytes))
 
     def copy_to(self, sha: str, dest: Path, *, mode: int = 0o640) -> None:
@@ -135,7 +138,12 @@ class ContentStore:
         *,
         keep_source: bool,
     ) -> Path:
-        """Keep ``bundle`` as ``bundles/<name>.efb`` and index its payloads.
+        """Keep ``bundle`` as ``bundles/<name>-<layout>.efb`` and index its payloads.
+
+        ``layout`` digests the payloads' byte ranges: one manifest packed by two tars has
+        two layouts, and a ref must point into the file whose offsets it holds. The same
+        layout again is the same bytes at the same ranges (each range's sha256 was
+        checked), so that file is shared.
 
         ``refs``: sha -> (offset, length) inside the bundle; ``blobs``: sha -> bytes made
         here (delta results). A bundle already in ``incoming/`` is renamed (no copy); any
@@ -143,7 +151,8 @@ class ContentStore:
         Any ``OSError`` (a full disk) removes what this call wrote and raises StorageError.
         """
         self.ensure()
-        dest = self.bundles / f"{name}.efb"
+        layout = hashlib.sha256(json.dumps(sorted(refs.items())).encode()).hexdigest()[:16]
+        dest = self.bundles / f"{name}-{layout}.efb"
         written: list[Path] = []
         try:
             if not dest.exists():
@@ -165,17 +174,31 @@ class ContentStore:
                 if not blob.exists():
                     atomic_write(blob, data)
                     written.append(blob)
+            repoint: list[tuple[Path, bytes]] = []
             for sha, (offset, length) in refs.items():
                 ref = self.root / f"{_check_sha(sha)}.ref"
+                doc = json.dumps(
+                    {"bundle": dest.name, "offset": offset, "length": length}, sort_keys=True
+                ).encode()
                 if self.has(sha):
+                    ext = self.extent(sha)
+                    if ext is not None and ext.path.parent == self.bundles and ext.path != dest:
+                        repoint.append((ref, doc))
                     continue
-                doc = {"bundle": dest.name, "offset": offset, "length": length}
-                atomic_write(ref, json.dumps(doc, sort_keys=True).encode())
+                atomic_write(ref, doc)
                 written.append(ref)
         except OSError as exc:
             for p in written:
                 p.unlink(missing_ok=True)
             raise StorageError(f"store: staging {bundle.name} failed: {exc}") from None
+        # A payload this bundle shares with an older one (an unchanged model.json) now points
+        # into this bundle: else the older bundle, whole, stays live for that one small file
+        # as long as the new version is kept. Best effort: the old pointer is still correct.
+        for ref, doc in repoint:
+            try:
+                atomic_write(ref, doc)
+            except OSError:
+                break
         return dest
 
     def gc(self, keep: set[str]) -> list[str]:

@@ -53,6 +53,8 @@ class Key:
 class Role:
     keyids: frozenset[str]
     threshold: int
+    #: ``root`` or ``bundles``, for messages
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -82,30 +84,59 @@ def signers(
     signatures: Iterable[Mapping[str, Any]],
     role: Role,
     keys: Mapping[str, Key],
-    now: datetime,
+    now: datetime | None,
     *,
     what: str,
+    why: list[str] | None = None,
 ) -> set[str]:
-    """The distinct key ids of ``role`` whose signature over ``data`` verifies at ``now``.
+    """The distinct key ids of ``role`` whose signature over ``data`` verifies at ``now``
+    (``None``: whatever the keys' expiry, for an integrity check).
 
     Signatures by keys outside the role, expired keys or malformed entries do not count;
-    they are not errors by themselves (TUF: extra signatures are ignored).
+    they are not errors by themselves (TUF: extra signatures are ignored). ``why``, when
+    given, collects one line per signature that did not count, for the caller's error.
     """
     good: set[str] = set()
+    lines: list[str] = [] if why is None else why
     for i, entry in enumerate(signatures):
+        at = f"signatures[{i}]"
         kid = entry.get("keyid")
-        if not isinstance(kid, str) or kid in good or kid not in role.keyids:
+        if not isinstance(kid, str):
+            lines.append(f"{at}: keyid is not a string")
+            continue
+        short = kid[:16]
+        if kid in good:
+            lines.append(f"{at}: key {short} already counted (a key is counted once)")
             continue
         key = keys.get(kid)
-        if key is None or not key.valid_at(now):
+        if key is None or kid not in role.keyids:
+            lines.append(f"{at}: key {short} is not a {role.name} key of this root")
+            continue
+        if now is not None and not key.valid_at(now):
+            assert key.expires is not None  # valid_at is only false with an expiry
+            lines.append(f"{at}: key {short} expired at {key.expires:%Y-%m-%dT%H:%M:%SZ}")
             continue
         try:
-            der = _keys.decode_sig(entry.get("sig"), where=f"{what}.signatures[{i}].sig")
-        except SignatureInvalid:
+            der = _keys.decode_sig(entry.get("sig"), where=f"{at}.sig")
+        except SignatureInvalid as exc:
+            lines.append(str(exc))
             continue
         if _keys.verifies(key.public, der, data):
             good.add(kid)
+        else:
+            lines.append(
+                f"{at}: key {short}: the signature does not verify "
+                f"(over the canonical bytes of {what}'s 'signed')"
+            )
     return good
+
+
+def explain(why: list[str], limit: int = 4) -> str:
+    """`` (reason; reason; ...)`` for an error message: why signatures did not count."""
+    if not why:
+        return ""
+    more = f"; and {len(why) - limit} more" if len(why) > limit else ""
+    return f" ({'; '.join(why[:limit])}{more})"
 
 
 def split_envelope(doc: Mapping[str, Any], *, what: str) -> tuple[dict[str, Any], list[Any]]:
@@ -185,7 +216,7 @@ def _parse_signed(signed: Mapping[str, Any], raw: bytes) -> TrustRoot:
             raise TrustError(
                 f"{rw}.threshold: expected 1..{len(set(kids))} (distinct keys); got {threshold!r}"
             )
-        roles[name] = Role(frozenset(kids), threshold)
+        roles[name] = Role(frozenset(kids), threshold, name)
     return TrustRoot(version, expires, parsed, roles, raw)
 
 
@@ -203,14 +234,20 @@ def load_root(data: bytes, now: datetime) -> TrustRoot:
 
     The first root is trusted because it was installed, not because it signs itself; the
     self-signature still catches a damaged or hand-edited file. Expiry is *not* checked
-    here (an expired root must still be replaceable); verification checks it.
+    here, neither the root's (an expired root must still be replaceable; verification
+    checks it) nor its root keys': the self-signature is an integrity check, and a root
+    key past its ``expires`` must not make the whole root unloadable, which would refuse
+    bundles signed by keys that are still valid. ``now`` is kept for callers' symmetry.
     """
+    del now
     root, sigs, body = _parse(data)
     role = root.roles["root"]
-    ok = signers(body, sigs, role, root.keys, now, what="root.json")
+    why: list[str] = []
+    ok = signers(body, sigs, role, root.keys, None, what="root.json", why=why)
     if len(ok) < role.threshold:
         raise TrustError(
             f"root.json: {len(ok)} valid root signature(s); its threshold is {role.threshold}"
+            + explain(why)
         )
     return root
 
@@ -224,11 +261,12 @@ def rotate(old: TrustRoot, data: bytes, now: datetime) -> TrustRoot:
         )
     for label, root in (("old", old), ("new", new)):
         role = root.roles["root"]
-        ok = signers(body, sigs, role, root.keys, now, what="new root.json")
+        why: list[str] = []
+        ok = signers(body, sigs, role, root.keys, now, what="new root.json", why=why)
         if len(ok) < role.threshold:
             raise TrustError(
                 f"new root.json: signed by {len(ok)} of the {label} root's root keys; "
-                f"its threshold is {role.threshold}"
+                f"its threshold is {role.threshold}" + explain(why)
             )
     if new.is_expired(now):
         raise TrustError(f"new root.json: expired at {new.expires:%Y-%m-%dT%H:%M:%SZ}")

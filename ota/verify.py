@@ -15,8 +15,9 @@ manifest is. Step by step:
 5. the members after the manifest are exactly the listed payloads, in the listed order,
    each with its declared length; each payload's sha256 is computed while streaming;
    then only zero padding may follow;
-6. a delta payload's patch is checked like any payload, then applied to its base from the
-   store, and the result's length and sha256 are checked before it is kept;
+6. a delta payload's sizes are capped and its base must be in the store before any
+   payload byte is read; its patch is checked like any payload, then applied to the base,
+   and the result's length and sha256 are checked before it is kept;
 7. staging: the bundle is kept whole in the content store and its payloads indexed.
 
 Every failure is a typed :class:`~ota.errors.BundleRejected` (the bundle's fault), a
@@ -27,6 +28,8 @@ Every failure is a typed :class:`~ota.errors.BundleRejected` (the bundle's fault
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -50,7 +53,7 @@ from ota.errors import (
 )
 from ota.manifest import Payload, Signed, parse_signed
 from ota.store import ContentStore
-from ota.trust import TrustRoot, signers, split_envelope
+from ota.trust import TrustRoot, explain, signers, split_envelope
 
 MAX_MANIFEST_BYTES = 64 * 1024
 MAX_BUNDLE_BYTES = 1024 * 1024 * 1024
@@ -154,11 +157,12 @@ def read_manifest(
     signed, sigs = split_envelope(doc, what="manifest.json")
     body = canonical(signed)
     role = root.roles["bundles"]
-    ok = signers(body, sigs, role, root.keys, now, what="manifest.json")
+    why: list[str] = []
+    ok = signers(body, sigs, role, root.keys, now, what="manifest.json", why=why)
     if len(ok) < role.threshold:
         raise SignatureInvalid(
             f"manifest.json: {len(ok)} valid signature(s) by trusted bundle keys; "
-            f"the threshold is {role.threshold}"
+            f"the threshold is {role.threshold}" + explain(why)
         )
     return parse_signed(signed), hashlib.sha256(body).hexdigest()
 
@@ -183,11 +187,17 @@ def verify_bundle(
         raise TrustError("no trust root configured: every bundle is refused")
     root.require_current(now)
     try:
-        size = path.stat().st_size
-        f = path.open("rb")
+        # O_NONBLOCK: opening a FIFO (``ota install`` of the wrong path) must not hang
+        # waiting for a writer; on a regular file it changes nothing.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise MalformedBundle(f"{path.name}: cannot read: {exc.strerror}") from None
-    with f:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise MalformedBundle(f"{path.name}: not a regular file")
+    size = st.st_size
+    with os.fdopen(fd, "rb") as f:
         if size > policy.max_bundle_bytes:
             raise MalformedBundle(
                 f"{path.name}: {size} bytes; the limit is {policy.max_bundle_bytes}"
@@ -197,15 +207,18 @@ def verify_bundle(
         reader = BundleReader(f, size)
         m, manifest_sha = read_manifest(reader, root, now, max_bytes=policy.max_manifest_bytes)
         _check_policy(m, policy, floors, now)
+        _check_deltas(m, store)
 
         refs: dict[str, tuple[int, int]] = {}
         patches: dict[str, bytes] = {}
+        seen = {"manifest.json": 0}
         for i, p in enumerate(m.payloads, start=1):
             member = reader.next_member()
             if member is None:
                 raise MalformedBundle(
                     f"payload {p.name!r} is missing (the bundle ends at member {i})"
                 )
+            _not_seen(member.index, member.name, seen)
             if member.name != p.name:
                 listed = [q.name for q in m.payloads]
                 why = "out of order" if member.name in listed else "not listed in the manifest"
@@ -229,6 +242,7 @@ def verify_bundle(
                 patches[p.name] = bytes(keep)
         extra = reader.next_member()
         if extra is not None:
+            _not_seen(extra.index, extra.name, seen)
             raise MalformedBundle(
                 f"member {extra.index} {extra.name!r}: not listed in the manifest (extra member)"
             )
@@ -248,10 +262,58 @@ def verify_bundle(
     )
 
 
-def _apply_delta(name: str, base_sha: str, patch: bytes, p: Payload, store: ContentStore) -> bytes:
-    if p.length > MAX_DELTA_BYTES:
+def _not_seen(index: int, name: str, seen: dict[str, int]) -> None:
+    if name in seen:
         raise MalformedBundle(
-            f"payload {name!r}: a delta result of {p.length} bytes is over the cap"
+            f"member {index} {name!r}: duplicate (the same name is member {seen[name]})"
+        )
+    seen[name] = index
+
+
+def _check_deltas(m: Signed, store: ContentStore) -> None:
+    """Before any payload byte is read: a delta fits in memory and its base is here.
+
+    A patch is kept in memory and patched there, so its size and its result's are capped
+    up front; a device without the base would otherwise read the whole bundle for nothing.
+    """
+    for p in m.payloads:
+        if p.delta_from is None:
+            continue
+        if max(p.length, p.member_length) > MAX_DELTA_BYTES:
+            raise MalformedBundle(
+                f"payload {p.name!r}: a delta of {p.member_length} bytes making {p.length} "
+                f"bytes; a delta is patched in memory, at most {MAX_DELTA_BYTES} bytes"
+            )
+        if not store.has(p.delta_from):
+            raise Incompatible(
+                f"payload {p.name!r}: delta against {p.delta_from[:12]}, which this device "
+                "does not have"
+            )
+
+
+_BSDIFF_MAGIC = b"BSDIFF40"
+
+
+def _patch_result_size(patch: bytes) -> int | None:
+    """The result size a bsdiff4 patch declares (its header), or None if it has none.
+
+    bsdiff4 allocates that many bytes before it checks anything, so it is compared with
+    the manifest before the patch is applied.
+    """
+    if len(patch) < 32 or patch[:8] != _BSDIFF_MAGIC:
+        return None
+    raw = int.from_bytes(patch[24:32], "little")
+    # bsdiff's offtin: sign and magnitude, the sign in the top bit.
+    return -(raw & ~(1 << 63)) if raw >> 63 else raw
+
+
+def _apply_delta(name: str, base_sha: str, patch: bytes, p: Payload, store: ContentStore) -> bytes:
+    size = _patch_result_size(patch)
+    if size is None:
+        raise PayloadMismatch(f"payload {name!r}: not a bsdiff4 patch (no BSDIFF40 header)")
+    if size != p.length:
+        raise PayloadMismatch(
+            f"payload {name!r}: the patch makes {size} bytes; the manifest declares {p.length}"
         )
     if not store.has(base_sha):
         raise Incompatible(
