@@ -338,8 +338,10 @@ class Updater:
             return Outcome("rolled_back", "abort requested")
         if self._lock.locked():
             return Outcome("busy", f"an update is in progress ({self.journal.state})", "busy")
-        if not self.journal.kept.get(kind):
-            return Outcome("failed", f"no earlier {kind} version is kept on this device", "none")
+        if not self.journal.kept.get(kind) and kind not in self.journal.active:
+            return Outcome(
+                "failed", f"nothing to roll back: the factory {kind} is already live", "none"
+            )
         async with self._lock:
             self._go("abort", update=Update(bundle_id="", kind=kind), reason="rollback requested")
             return await self._rollback(f"{kind} rollback requested")
