@@ -273,7 +273,7 @@ class AgentOta:
     def baseline(self) -> Baseline:
         stage = self.agent.stage
         lat = list(stage.stats.reasoning_us)[-1000:] if stage is not None else []
-        return Baseline(_quantile(lat, 0.5), _rss_bytes())
+        return Baseline(_quantile(lat, 0.5), _rss_bytes(), _quantile(lat, 0.99))
 
     def begin_observing(self) -> None:
         self._latencies.clear()
@@ -356,7 +356,11 @@ class AgentOta:
             version = up.version if up else (last.version if last else "")
             kind = (up.kind if up else "") or None
             state = j.state if j.state != "idle" or last is None else last.result
-            safe = {k: v for k, v in detail.items() if isinstance(v, str | int | float | bool)}
+            safe = {
+                k: round(v, 1) if isinstance(v, float) else v
+                for k, v in detail.items()
+                if isinstance(v, str | int | float | bool)
+            }
 
             build = _status_builder(
                 device=device,

@@ -119,6 +119,7 @@ class Update:
     boot_id: str = ""
     #: the device before the switch, for the regression rule (survives a restart)
     baseline_p50_us: float | None = None
+    baseline_p99_us: float | None = None
     baseline_rss: int | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -135,6 +136,7 @@ class Update:
             "reason": self.reason,
             "boot_id": self.boot_id,
             "baseline_p50_us": self.baseline_p50_us,
+            "baseline_p99_us": self.baseline_p99_us,
             "baseline_rss": self.baseline_rss,
         }
 
@@ -153,6 +155,7 @@ class Update:
             reason=str(d.get("reason", "")),
             boot_id=str(d.get("boot_id", "")),
             baseline_p50_us=_opt_float(d.get("baseline_p50_us")),
+            baseline_p99_us=_opt_float(d.get("baseline_p99_us")),
             baseline_rss=_opt_int(d.get("baseline_rss")),
         )
 

@@ -245,7 +245,10 @@ class Updater:
         baseline = self.activator.baseline()
         assert self.journal.update is not None
         up = replace(
-            self.journal.update, baseline_p50_us=baseline.p50_us, baseline_rss=baseline.rss_bytes
+            self.journal.update,
+            baseline_p50_us=baseline.p50_us,
+            baseline_p99_us=baseline.p99_us,
+            baseline_rss=baseline.rss_bytes,
         )
         self._go("activate", update=up, detail={"version": target.version})
         try:
@@ -261,7 +264,11 @@ class Updater:
 
     async def _probation(self, limits: Probation) -> Outcome:
         up = self.journal.update
-        base = Baseline(up.baseline_p50_us if up else None, up.baseline_rss if up else None)
+        base = Baseline(
+            up.baseline_p50_us if up else None,
+            up.baseline_rss if up else None,
+            up.baseline_p99_us if up else None,
+        )
         self._abort.clear()
         self.activator.begin_observing()
         started = self.clock()
@@ -289,22 +296,25 @@ class Updater:
                 health_streak=streak,
             )
             verdict, why = judge(obs, base, limits, started_ns=started, now_ns=self.clock())
-            self.last_probation = {
-                "verdict": verdict,
-                "reason": why,
+            figures = {
                 "windows": obs.model_runs,
                 "p50_us": obs.p50_us,
                 "p99_us": obs.p99_us,
+                "rss_bytes": obs.rss_bytes,
                 "baseline_p50_us": base.p50_us,
+                "baseline_p99_us": base.p99_us,
+                "baseline_rss": base.rss_bytes,
             }
+            self.last_probation = {"verdict": verdict, "reason": why, **figures}
             if verdict == "pending":
                 await asyncio.sleep(self.poll_s)
         if verdict == "fail":
             self._failed_at = time.perf_counter()
-            self._go("failed", reason=why, detail={"code": "probation_failed"})
+            self._go("failed", reason=why, detail={"code": "probation_failed", **figures})
             return await self._rollback(why)
-        self._go("passed", reason=why)
-        self._go("committed", reason=why)
+        # The fleet's regression check compares these with the device's own baseline.
+        self._go("passed", reason=why, detail=figures)
+        self._go("committed", reason=why, detail=figures)
         await asyncio.to_thread(self.store.gc, self.journal.payloads_in_use())
         return Outcome("committed", why)
 

@@ -1,0 +1,1 @@
+"""Rollouts: the pure planner and state machine, the orchestrator that runs them."""

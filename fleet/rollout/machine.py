@@ -1,0 +1,370 @@
+"""A rollout as a pure state machine: status reports and the clock in, commands out.
+
+The orchestrator (:mod:`fleet.rollout.orchestrator`) feeds it the devices' ``ota/status``
+reports and calls :func:`tick`; everything it decides is here, so it is tested without a
+broker or a sleep:
+
+- **waves** — devices of wave ``k`` get their offer when wave ``k-1`` passed the success
+  gate: every device of it finished (committed, failed, rolled back or timed out) and at
+  least ``success_gate`` of those that answered committed;
+- **halting** — the rollout halts by itself, sending nothing more, when the failures so far
+  pass ``max_failure`` of the finished devices (once at least ``min_devices`` finished), when
+  a wave misses its gate, or when the **regression check** trips: a committed device whose
+  reasoning P99 grew more than ``p99_regression_pct`` or whose memory grew more than
+  ``memory_regression_pct`` against its own figures before the update (the device reports
+  both). A regressed device is told to roll back;
+- **retries** — a transient failure (fetch, busy, interrupted) is offered again after an
+  exponential backoff, up to ``max_attempts``; a permanent one (bad signature,
+  incompatible, not permitted, downgrade) never;
+- **timeouts** — a device that has not finished ``device_timeout_s`` after its offer is
+  ``timed_out``: it does not block its wave (a late report still counts);
+- **duplicates** — a report is applied only if its ``(boot_id, seq)`` is newer than the last
+  one applied for that device; replays and duplicates change nothing;
+- **pause / resume / abort** — pause holds new offers and retries; abort also sends
+  rollback to every device still in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
+
+RolloutState = Literal["running", "paused", "halted", "aborted", "completed"]
+DeviceState = Literal[
+    "waiting", "offered", "in_progress", "committed", "failed", "rolled_back", "timed_out",
+    "aborted",
+]  # fmt: skip
+FINISHED = frozenset({"committed", "failed", "rolled_back", "timed_out"})
+FAILURES = frozenset({"failed", "rolled_back"})
+#: Device OTA states (ota.machine) that mean "working on it".
+IN_PROGRESS = frozenset(
+    {"fetching", "verifying", "staged", "activating", "probation", "committing", "rolling_back"}
+)
+#: Failure codes worth another offer (ota.errors codes; the device says ``permanent`` too).
+TRANSIENT = frozenset({"fetch", "fetch_stalled", "interrupted", "busy", "storage", "apply"})
+
+
+@dataclass(frozen=True)
+class Params:
+    waves: tuple[float, ...] = (0.01, 0.1, 0.5, 1.0)
+    max_failure: float = 0.05
+    min_devices: int = 5
+    success_gate: float = 0.95
+    device_timeout_s: float = 300.0
+    max_attempts: int = 3
+    retry_backoff_s: float = 5.0
+    p99_regression_pct: float = 15.0
+    memory_regression_pct: float = 10.0
+
+
+@dataclass(frozen=True)
+class DeviceRun:
+    device: str
+    wave: int
+    state: DeviceState = "waiting"
+    attempts: int = 0
+    offered_ns: int = 0
+    next_offer_ns: int = 0
+    boot_id: str = ""
+    seq: int = -1
+    reason: str = ""
+    code: str = ""
+    regressed: bool = False
+
+
+@dataclass(frozen=True)
+class Command:
+    action: Literal["offer", "rollback"]
+    device: str
+
+
+@dataclass(frozen=True)
+class Rollout:
+    id: str
+    bundle_id: str
+    version: str
+    kind: str
+    sha256: str
+    length: int
+    params: Params
+    waves: tuple[tuple[str, ...], ...]
+    devices: dict[str, DeviceRun]
+    state: RolloutState = "running"
+    wave: int = -1
+    created_ns: int = 0
+    updated_ns: int = 0
+    reason: str = ""
+    history: tuple[tuple[int, str], ...] = ()
+
+    # -- views ------------------------------------------------------------------------------
+
+    def counts(self, wave: int | None = None) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for d in self.devices.values():
+            if wave is None or d.wave == wave:
+                out[d.state] = out.get(d.state, 0) + 1
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["waves"] = [list(w) for w in self.waves]
+        doc["params"]["waves"] = list(self.params.waves)
+        doc["history"] = [list(h) for h in self.history]
+        return doc
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Rollout:
+        params = dict(d["params"])
+        params["waves"] = tuple(params["waves"])
+        return cls(
+            id=d["id"],
+            bundle_id=d["bundle_id"],
+            version=d["version"],
+            kind=d["kind"],
+            sha256=d["sha256"],
+            length=int(d["length"]),
+            params=Params(**params),
+            waves=tuple(tuple(w) for w in d["waves"]),
+            devices={k: DeviceRun(**v) for k, v in d["devices"].items()},
+            state=d["state"],
+            wave=int(d["wave"]),
+            created_ns=int(d["created_ns"]),
+            updated_ns=int(d["updated_ns"]),
+            reason=d.get("reason", ""),
+            history=tuple((int(t), str(m)) for t, m in d.get("history", [])),
+        )
+
+
+MAX_HISTORY = 200
+
+
+def _log(r: Rollout, now_ns: int, text: str, **changes: Any) -> Rollout:
+    history = (*r.history, (now_ns, text))[-MAX_HISTORY:]
+    return replace(r, history=history, updated_ns=now_ns, **changes)
+
+
+def create(
+    rollout_id: str,
+    *,
+    bundle_id: str,
+    version: str,
+    kind: str,
+    sha256: str,
+    length: int,
+    waves: list[list[str]],
+    params: Params,
+    now_ns: int,
+) -> Rollout:
+    devices = {
+        name: DeviceRun(device=name, wave=k) for k, names in enumerate(waves) for name in names
+    }
+    r = Rollout(
+        id=rollout_id,
+        bundle_id=bundle_id,
+        version=version,
+        kind=kind,
+        sha256=sha256,
+        length=length,
+        params=params,
+        waves=tuple(tuple(w) for w in waves),
+        devices=devices,
+        created_ns=now_ns,
+        updated_ns=now_ns,
+    )
+    sizes = "/".join(str(len(w)) for w in waves)
+    return _log(r, now_ns, f"created: {len(devices)} devices in {len(waves)} waves ({sizes})")
+
+
+def on_status(
+    r: Rollout,
+    *,
+    device: str,
+    boot_id: str,
+    seq: int,
+    bundle_id: str,
+    state: str,
+    reason: str,
+    detail: dict[str, Any],
+    now_ns: int,
+) -> Rollout:
+    """Apply one ``ota/status`` report; anything stale, foreign or duplicated is ignored."""
+    d = r.devices.get(device)
+    if d is None or bundle_id != r.bundle_id or d.state in ("waiting", "aborted"):
+        return r
+    if (boot_id, seq) == (d.boot_id, d.seq) or (boot_id == d.boot_id and seq <= d.seq):
+        return r  # a duplicate or a replay of something already applied
+    d = replace(d, boot_id=boot_id, seq=seq)
+    code = str(detail.get("code", ""))
+    new: DeviceState
+    if state in IN_PROGRESS:
+        new = "in_progress" if d.state not in FINISHED else d.state
+        d = replace(d, state=new)
+    elif state == "committed":
+        d = replace(d, state="committed", reason=reason, regressed=_regressed(r.params, detail))
+    elif state == "rolled_back":
+        d = replace(d, state="rolled_back", reason=reason, code=code or "probation_failed")
+    elif state == "failed":
+        permanent = bool(detail.get("permanent", code not in TRANSIENT))
+        if code == "already_installed":
+            # The device has this version committed already: that is a success.
+            d = replace(d, state="committed", reason=reason, code=code)
+        elif not permanent and d.attempts < r.params.max_attempts:
+            backoff = r.params.retry_backoff_s * 2 ** (d.attempts - 1)
+            d = replace(
+                d,
+                state="waiting",
+                reason=reason,
+                code=code,
+                next_offer_ns=now_ns + int(backoff * 1e9),
+            )
+        else:
+            d = replace(d, state="failed", reason=reason, code=code)
+    else:
+        return r
+    devices = dict(r.devices)
+    devices[device] = d
+    return replace(r, devices=devices, updated_ns=now_ns)
+
+
+#: A P99 is compared only over this many windows; a median over at least REGRESSION_MIN.
+P99_MIN_WINDOWS = 100
+REGRESSION_MIN_WINDOWS = 20
+#: Latency differences below this are noise on a gateway, whatever the percentage.
+SLACK_US = 50.0
+
+
+def _regressed(p: Params, detail: dict[str, Any]) -> bool:
+    """The regression check on one committed device's own before/after figures.
+
+    A P99 over a probation of a few seconds is a maximum of a few windows: it is compared
+    (``p99_regression_pct``) only over :data:`P99_MIN_WINDOWS` windows or more, otherwise
+    the median is, over at least :data:`REGRESSION_MIN_WINDOWS`; fewer windows say nothing.
+    """
+
+    def num(key: str) -> float | None:
+        v = detail.get(key)
+        return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+    windows = num("windows") or 0
+    grow = 1 + p.p99_regression_pct / 100
+    key = "p99_us" if windows >= P99_MIN_WINDOWS else "p50_us"
+    now, base = num(key), num(f"baseline_{key}")
+    judged = windows >= REGRESSION_MIN_WINDOWS and now is not None and base
+    if judged and now is not None and base and now > max(base * grow, base + SLACK_US):
+        return True
+    rss, base_rss = num("rss_bytes"), num("baseline_rss")
+    return bool(
+        rss is not None and base_rss and rss > base_rss * (1 + p.memory_regression_pct / 100)
+    )
+
+
+def _offer(r: Rollout, names: list[str], now_ns: int) -> tuple[Rollout, list[Command]]:
+    devices = dict(r.devices)
+    cmds: list[Command] = []
+    for name in names:
+        d = devices[name]
+        devices[name] = replace(d, state="offered", attempts=d.attempts + 1, offered_ns=now_ns)
+        cmds.append(Command("offer", name))
+    return replace(r, devices=devices), cmds
+
+
+def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
+    """Time passes: timeouts, retries, the halting rules and the next wave."""
+    if r.state in ("halted", "aborted", "completed"):
+        return r, []
+    cmds: list[Command] = []
+    p = r.params
+    # Timeouts: an offer that got no final answer in time does not hold its wave.
+    devices = dict(r.devices)
+    for name, d in devices.items():
+        if (
+            d.state in ("offered", "in_progress")
+            and now_ns - d.offered_ns > p.device_timeout_s * 1e9
+        ):
+            devices[name] = replace(
+                d,
+                state="timed_out",
+                reason=f"no final status {p.device_timeout_s:g} s after the offer",
+            )
+    r = replace(r, devices=devices)
+
+    # Halting rules, over every device so far.
+    regressed = [d for d in r.devices.values() if d.state == "committed" and d.regressed]
+    failed = [d for d in r.devices.values() if d.state in FAILURES]
+    finished = [d for d in r.devices.values() if d.state in FINISHED and d.state != "timed_out"]
+    why = ""
+    if regressed:
+        names = ", ".join(sorted(d.device for d in regressed)[:5])
+        why = f"regression check tripped on {len(regressed)} device(s) ({names})"
+    elif len(finished) >= p.min_devices and len(failed) > p.max_failure * len(finished):
+        first = min(failed, key=lambda d: d.device)
+        why = (
+            f"{len(failed)} of {len(finished)} finished devices failed "
+            f"(more than {p.max_failure:.0%}); {first.device}: {first.reason}"
+        )
+    if why:
+        cmds += [Command("rollback", d.device) for d in regressed]
+        return _log(r, now_ns, f"halted: {why}", state="halted", reason=why), cmds
+
+    if r.state == "paused":
+        return r, cmds
+
+    # Retries that are due.
+    due = [
+        d.device
+        for d in r.devices.values()
+        if d.state == "waiting" and d.attempts > 0 and d.next_offer_ns <= now_ns
+    ]
+    if due:
+        r, more = _offer(r, sorted(due), now_ns)
+        cmds += more
+
+    # The current wave: done? gate met? then the next one.
+    if r.wave >= 0:
+        wave = [r.devices[n] for n in r.waves[r.wave]]
+        if not all(d.state in FINISHED for d in wave):
+            return r, cmds
+        answered = [d for d in wave if d.state != "timed_out"]
+        ok = sum(d.state == "committed" for d in answered)
+        if not answered or ok < p.success_gate * len(answered):
+            why = (
+                f"wave {r.wave + 1}: {ok} of {len(answered)} answering devices committed "
+                f"(gate {p.success_gate:.0%}; {len(wave) - len(answered)} timed out)"
+            )
+            return _log(r, now_ns, f"halted: {why}", state="halted", reason=why), cmds
+        r = _log(r, now_ns, f"wave {r.wave + 1} passed: {ok}/{len(wave)} committed")
+    if r.wave + 1 >= len(r.waves):
+        return _log(r, now_ns, "completed", state="completed"), cmds
+    nxt = r.wave + 1
+    r, more = _offer(replace(r, wave=nxt), list(r.waves[nxt]), now_ns)
+    return _log(r, now_ns, f"wave {nxt + 1} started: {len(r.waves[nxt])} device(s)"), cmds + more
+
+
+def pause(r: Rollout, now_ns: int) -> Rollout:
+    if r.state != "running":
+        return r
+    return _log(r, now_ns, "paused", state="paused")
+
+
+def resume(r: Rollout, now_ns: int) -> Rollout:
+    """Only a paused rollout resumes: a halt is final (its failures would trip it again);
+    fix what failed and create a new rollout."""
+    if r.state != "paused":
+        return r
+    return _log(r, now_ns, "resumed", state="running", reason="")
+
+
+def abort(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
+    if r.state in ("aborted", "completed"):
+        return r, []
+    devices = dict(r.devices)
+    cmds: list[Command] = []
+    for name, d in devices.items():
+        if d.state in ("offered", "in_progress"):
+            cmds.append(Command("rollback", name))
+            devices[name] = replace(d, state="aborted", reason="rollout aborted")
+        elif d.state == "waiting":
+            devices[name] = replace(d, state="aborted", reason="rollout aborted")
+    r = replace(r, devices=devices)
+    text = f"aborted: rollback sent to {len(cmds)} device(s) in flight"
+    return _log(r, now_ns, text, state="aborted", reason="aborted by the operator"), cmds
