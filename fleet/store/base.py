@@ -187,6 +187,35 @@ class Store(Protocol):
         """``{"telemetry": n, "decision": n, "ota/status": n, "quarantined": n, "devices": n}``."""
         ...
 
+    # -- rollouts (schema v2) -------------------------------------------------------------
+
+    def set_labels(self, device: str, *, group: str | None, tier: str | None) -> bool:
+        """Set a device's rollout group and/or tier; False if the device is unknown."""
+        ...
+
+    def labels(self) -> dict[str, tuple[str, str]]:
+        """``device -> (group, tier)`` for every registered device."""
+        ...
+
+    def save_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> None:
+        """Insert or replace a rollout's whole state (one JSON document)."""
+        ...
+
+    def rollouts(self, *, active_only: bool = False) -> list[tuple[str, str, str]]:
+        """``(id, state, doc)`` newest first; active = running or paused."""
+        ...
+
+    def add_rollout_request(self, rollout_id: str, action: str, now_ns: int) -> None: ...
+
+    def take_rollout_requests(self, now_ns: int) -> list[tuple[str, str]]:
+        """Pending ``(rollout_id, action)`` in order, marked done in the same transaction."""
+        ...
+
+    def ota_status_since(self, received_ns: int, *, limit: int = 10_000) -> list[tuple[int, bytes]]:
+        """``(received_ns, body)`` of stored ``ota/status`` messages that arrived after
+        ``received_ns``, oldest first."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -16,6 +16,10 @@ Tables:
 - ``messages``: every data message once, keyed on ``(device, boot_id, seq)``; ``label`` is
   copied out of decisions so they can be filtered without parsing bodies.
 - ``quarantine``: refused messages (payload cut to 4 KiB by the caller).
+- (v2) ``devices.group_name`` / ``devices.tier``: rollout labels (``canary``, ``normal``,
+  ``critical``); ``rollouts``: one JSON document per rollout (its whole state, written by the
+  orchestrator at every change); ``rollout_requests``: pause/resume/abort asked by the CLI,
+  taken by the orchestrator; an index to read ``ota/status`` messages by arrival.
 """
 
 from __future__ import annotations
@@ -124,8 +128,49 @@ CREATE TABLE quarantine (
 CREATE INDEX quarantine_received ON quarantine (received_ns)
 """
 
+_V2_SQLITE = """
+ALTER TABLE devices ADD COLUMN group_name TEXT NOT NULL DEFAULT '';
+ALTER TABLE devices ADD COLUMN tier TEXT NOT NULL DEFAULT 'normal';
+CREATE TABLE rollouts (
+    id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    created_ns INTEGER NOT NULL,
+    updated_ns INTEGER NOT NULL,
+    doc TEXT NOT NULL
+);
+CREATE TABLE rollout_requests (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    rollout_id TEXT NOT NULL,
+    action TEXT NOT NULL,
+    requested_ns INTEGER NOT NULL,
+    done_ns INTEGER
+);
+CREATE INDEX messages_kind_received ON messages (kind, received_ns)
+"""
+
+_V2_POSTGRES = """
+ALTER TABLE devices ADD COLUMN group_name TEXT NOT NULL DEFAULT '';
+ALTER TABLE devices ADD COLUMN tier TEXT NOT NULL DEFAULT 'normal';
+CREATE TABLE rollouts (
+    id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    created_ns BIGINT NOT NULL,
+    updated_ns BIGINT NOT NULL,
+    doc TEXT NOT NULL
+);
+CREATE TABLE rollout_requests (
+    id BIGSERIAL PRIMARY KEY,
+    rollout_id TEXT NOT NULL,
+    action TEXT NOT NULL,
+    requested_ns BIGINT NOT NULL,
+    done_ns BIGINT
+);
+CREATE INDEX messages_kind_received ON messages (kind, received_ns)
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "registry, boots, messages, quarantine", _V1_SQLITE, _V1_POSTGRES),
+    Migration(2, "rollouts, rollout requests, device labels", _V2_SQLITE, _V2_POSTGRES),
 )
 
 #: The schema version this code writes and reads.

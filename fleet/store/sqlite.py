@@ -334,6 +334,93 @@ class SqliteStore:
 
         return self._run("counts", go)
 
+    # -- rollouts ------------------------------------------------------------------------
+
+    def set_labels(self, device: str, *, group: str | None, tier: str | None) -> bool:
+        def go(db: sqlite3.Connection) -> bool:
+            with self._write(db):
+                n = 0
+                if group is not None:
+                    n = db.execute(
+                        "UPDATE devices SET group_name = ? WHERE device = ?", (group, device)
+                    ).rowcount
+                if tier is not None:
+                    n = db.execute(
+                        "UPDATE devices SET tier = ? WHERE device = ?", (tier, device)
+                    ).rowcount
+                if group is None and tier is None:
+                    n = len(
+                        db.execute("SELECT 1 FROM devices WHERE device = ?", (device,)).fetchall()
+                    )
+                return n > 0
+
+        return self._run("set_labels", go)
+
+    def labels(self) -> dict[str, tuple[str, str]]:
+        def go(db: sqlite3.Connection) -> dict[str, tuple[str, str]]:
+            rows = db.execute("SELECT device, group_name, tier FROM devices").fetchall()
+            return {r[0]: (r[1], r[2]) for r in rows}
+
+        return self._run("labels", go)
+
+    def save_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> None:
+        def go(db: sqlite3.Connection) -> None:
+            with self._write(db):
+                db.execute(
+                    "INSERT INTO rollouts (id, state, created_ns, updated_ns, doc) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+                    "state = excluded.state, updated_ns = excluded.updated_ns, doc = excluded.doc",
+                    (rollout_id, state, now_ns, now_ns, doc),
+                )
+
+        self._run("save_rollout", go)
+
+    def rollouts(self, *, active_only: bool = False) -> list[tuple[str, str, str]]:
+        where = " WHERE state IN ('running', 'paused')" if active_only else ""
+
+        def go(db: sqlite3.Connection) -> list[tuple[str, str, str]]:
+            sql = f"SELECT id, state, doc FROM rollouts{where} ORDER BY created_ns DESC, id"  # noqa: S608 - a constant clause
+            return [(r[0], r[1], r[2]) for r in db.execute(sql).fetchall()]
+
+        return self._run("rollouts", go)
+
+    def add_rollout_request(self, rollout_id: str, action: str, now_ns: int) -> None:
+        def go(db: sqlite3.Connection) -> None:
+            with self._write(db):
+                db.execute(
+                    "INSERT INTO rollout_requests (rollout_id, action, requested_ns) "
+                    "VALUES (?, ?, ?)",
+                    (rollout_id, action, now_ns),
+                )
+
+        self._run("add_rollout_request", go)
+
+    def take_rollout_requests(self, now_ns: int) -> list[tuple[str, str]]:
+        def go(db: sqlite3.Connection) -> list[tuple[str, str]]:
+            with self._write(db):
+                rows = db.execute(
+                    "SELECT id, rollout_id, action FROM rollout_requests "
+                    "WHERE done_ns IS NULL ORDER BY id"
+                ).fetchall()
+                db.executemany(
+                    "UPDATE rollout_requests SET done_ns = ? WHERE id = ?",
+                    [(now_ns, r[0]) for r in rows],
+                )
+            return [(r[1], r[2]) for r in rows]
+
+        return self._run("take_rollout_requests", go)
+
+    def ota_status_since(self, received_ns: int, *, limit: int = 10_000) -> list[tuple[int, bytes]]:
+        def go(db: sqlite3.Connection) -> list[tuple[int, bytes]]:
+            rows = db.execute(
+                "SELECT received_ns, body FROM messages WHERE kind = 'ota/status' "
+                "AND received_ns > ? ORDER BY received_ns LIMIT ?",
+                (received_ns, _common.check_limit(limit)),
+            ).fetchall()
+            return [(int(r[0]), bytes(r[1])) for r in rows]
+
+        return self._run("ota_status_since", go)
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

@@ -1,0 +1,468 @@
+"""Running rollouts: the store and the broker at the edges of :mod:`fleet.rollout.machine`.
+
+- **create** (``fleet rollout create``): reads the bundle's manifest (checked against the
+  fleet's ``root.json`` when given), publishes the bundle into the artifact directory as
+  ``<sha256>.efb``, plans the waves from the registry and its labels, and saves the rollout.
+  No broker is needed: the orchestrator picks it up.
+- **step** (every ``tick_s`` inside ``fleet serve``): takes pause/resume/abort requests from
+  the store, feeds every ``ota/status`` message the ingest stored since the last step to the
+  rollouts it belongs to (matched by ``bundle_id``), ticks each rollout and publishes the
+  offers and rollbacks it asks for on ``.../cmd/ota`` (QoS 1; the devices' persistent
+  sessions keep them while a device is offline), then saves what changed.
+
+All of a rollout's state is its document in the store. After a restart the orchestrator
+reads the ``ota/status`` messages again from the oldest active rollout's creation on;
+the machine ignores what it has applied already (``(boot_id, seq)`` order), so the
+rollout continues where it was. Only one orchestrator should run per store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.reasoncodes import ReasonCode
+
+from fleet.errors import FleetError
+from fleet.rollout import machine as m
+from fleet.rollout.plan import Candidate, PlanError, plan
+from fleet.store import Store
+from ota.canonical import canonical, loads_strict
+from ota.efb import BundleReader
+from ota.errors import OtaError
+from ota.manifest import parse_signed
+from ota.trust import load_root, signers, split_envelope
+from wire import OtaCommand, OtaStatusMsg, WireError, decode, encode_command, topic
+
+log = logging.getLogger(__name__)
+
+TRANSPORTS = ("http", "coap")
+
+
+class RolloutError(FleetError):
+    """A rollout cannot be created or changed: the bundle, the plan or the request."""
+
+
+@dataclass(frozen=True)
+class BundleInfo:
+    bundle_id: str
+    kind: str
+    version: str
+    counter: int
+    length: int
+    signed_by: int
+
+
+def read_bundle(path: Path, root_json: Path | None = None) -> BundleInfo:
+    """The manifest facts a rollout needs; with ``root_json``, its signatures checked too."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            reader = BundleReader(f, size)
+            first = reader.next_member()
+            if first is None or first.name != "manifest.json":
+                raise RolloutError(f"{path}: not a bundle (manifest.json is not the first member)")
+            data = b"".join(bytes(c) for c in reader.read(first))
+        doc = loads_strict(data, what="manifest.json", max_bytes=64 * 1024)
+        signed, sigs = split_envelope(doc, what="manifest.json")
+        manifest = parse_signed(signed)
+        count = len(sigs)
+        if root_json is not None:
+            now = datetime.now(UTC)
+            root = load_root(root_json.read_bytes(), now)
+            role = root.roles["bundles"]
+            good = signers(canonical(signed), sigs, role, root.keys, now, what="manifest.json")
+            if len(good) < root.roles["bundles"].threshold:
+                raise RolloutError(
+                    f"{path}: {len(good)} valid signature(s) by {root_json}'s bundle keys; "
+                    f"its threshold is {root.roles['bundles'].threshold}: devices would refuse it"
+                )
+            count = len(good)
+    except OSError as exc:
+        raise RolloutError(f"{path}: cannot read: {exc.strerror}") from None
+    except OtaError as exc:
+        raise RolloutError(f"{path}: {exc}") from None
+    return BundleInfo(
+        bundle_id=manifest.bundle_id,
+        kind=manifest.kind,
+        version=manifest.version,
+        counter=manifest.counter,
+        length=size,
+        signed_by=count,
+    )
+
+
+def candidates(store: Store) -> list[Candidate]:
+    labels = store.labels()
+    out = []
+    for d in store.devices():
+        group, tier = labels.get(d.device, ("", "normal"))
+        out.append(Candidate(d.device, d.site, d.device_type, group, tier))
+    return out
+
+
+def create_rollout(
+    store: Store,
+    bundle: Path,
+    *,
+    artifacts: Path,
+    selector: dict[str, tuple[str, ...]],
+    params: m.Params,
+    transport: str = "http",
+    root_json: Path | None = None,
+    now_ns: int | None = None,
+) -> m.Rollout:
+    from fleet.artifacts import publish  # noqa: PLC0415 - aiohttp/aiocoap on use
+
+    if transport not in TRANSPORTS:
+        raise RolloutError(f"--transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
+    info = read_bundle(bundle, root_json)
+    if info.signed_by == 0:
+        raise RolloutError(f"{bundle}: unsigned (run fleet bundle sign first)")
+    now = now_ns if now_ns is not None else time.time_ns()
+    existing = store.rollouts()
+    active = [r for r in existing if r[1] in ("running", "paused")]
+    rollout_id = f"r{len(existing) + 1}"
+    waves = plan(rollout_id, candidates(store), selector, params.waves)
+    if not waves:
+        raise RolloutError(f"no registered device matches --select {_selector_text(selector)}")
+    busy = {d for _, _, doc in active for d in json.loads(doc)["devices"]}
+    overlap = sorted(busy & {d for w in waves for d in w})
+    if overlap:
+        raise RolloutError(
+            f"{len(overlap)} selected device(s) are in an active rollout already "
+            f"({', '.join(overlap[:5])}); pause/abort it or narrow --select"
+        )
+    try:
+        sha = publish(artifacts, bundle)
+    except FleetError as exc:
+        raise RolloutError(str(exc)) from None
+    r = m.create(
+        rollout_id,
+        bundle_id=info.bundle_id,
+        version=info.version,
+        kind=info.kind,
+        sha256=sha,
+        length=info.length,
+        waves=waves,
+        params=params,
+        now_ns=now,
+    )
+    store.save_rollout(r.id, r.state, json.dumps({**r.to_json(), "transport": transport}), now)
+    return r
+
+
+def _selector_text(selector: dict[str, tuple[str, ...]]) -> str:
+    return ",".join(f"{k}={'|'.join(v)}" for k, v in selector.items()) or "(all)"
+
+
+def load(doc: str) -> tuple[m.Rollout, str]:
+    d = json.loads(doc)
+    return m.Rollout.from_json(d), str(d.get("transport", "http"))
+
+
+def request(store: Store, rollout_id: str, action: str) -> None:
+    """Ask the orchestrator to ``pause``, ``resume`` or ``abort`` a rollout."""
+    if action not in ("pause", "resume", "abort"):
+        raise RolloutError(f"unknown action {action!r}")
+    known = {rid: state for rid, state, _ in store.rollouts()}
+    if rollout_id not in known:
+        raise RolloutError(f"no rollout {rollout_id!r}")
+    if known[rollout_id] in ("aborted", "completed", "halted") and action != "abort":
+        raise RolloutError(f"rollout {rollout_id} is {known[rollout_id]}: nothing to {action}")
+    store.add_rollout_request(rollout_id, action, time.time_ns())
+
+
+Publish = Callable[[str, bytes], bool]
+Urls = Callable[[str, str], str]
+
+
+class Orchestrator:
+    """One step at a time (:meth:`step`); :func:`run_forever` calls it in a loop."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        publish: Publish,
+        url_for: Urls,
+        clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.store = store
+        self.publish = publish
+        self.url_for = url_for
+        self.clock = clock
+        self.cursor: int | None = None
+        self.sent: dict[str, int] = {"offer": 0, "rollback": 0}
+        self.ignored = 0
+        self._sites: dict[str, str] = {}
+        self._unsent: list[tuple[str, m.Command, str, bytes]] = []
+
+    def _site(self, device: str) -> str | None:
+        if device not in self._sites:
+            for d in self.store.devices():
+                self._sites[d.device] = d.site
+        return self._sites.get(device)
+
+    def step(self) -> list[m.Rollout]:
+        """Requests, new statuses, ticks, commands, saves. Returns the active rollouts."""
+        now = self.clock()
+        rows = self.store.rollouts(active_only=True)
+        rollouts = {rid: load(doc) for rid, _, doc in rows}
+        changed: set[str] = set()
+        commands: list[tuple[m.Rollout, str, m.Command]] = []
+
+        for rid, action in self.store.take_rollout_requests(now):
+            if rid not in rollouts:
+                continue
+            r, transport = rollouts[rid]
+            if action == "pause":
+                r = m.pause(r, now)
+            elif action == "resume":
+                r = m.resume(r, now)
+            else:
+                r, cmds = m.abort(r, now)
+                commands += [(r, transport, c) for c in cmds]
+            rollouts[rid] = (r, transport)
+            changed.add(rid)
+
+        if rollouts:
+            if self.cursor is None:
+                # After a (re)start: every status since the oldest active rollout began.
+                self.cursor = min(r.created_ns for r, _ in rollouts.values()) - 1
+            by_bundle = {r.bundle_id: rid for rid, (r, _) in rollouts.items()}
+            for received, body in self.store.ota_status_since(self.cursor):
+                self.cursor = max(self.cursor, received)
+                try:
+                    msg = decode("ota/status", body)
+                except WireError:
+                    self.ignored += 1
+                    continue
+                owner = by_bundle.get(msg.bundle_id) if isinstance(msg, OtaStatusMsg) else None
+                if owner is None or not isinstance(msg, OtaStatusMsg):
+                    continue
+                r, transport = rollouts[owner]
+                nxt = m.on_status(
+                    r,
+                    device=msg.device,
+                    boot_id=msg.boot_id,
+                    seq=msg.seq,
+                    bundle_id=msg.bundle_id,
+                    state=msg.state,
+                    reason=msg.reason,
+                    detail=dict(msg.detail),
+                    now_ns=now,
+                )
+                if nxt != r:
+                    rollouts[owner] = (nxt, transport)
+                    changed.add(owner)
+
+        for rid, (r, transport) in list(rollouts.items()):
+            nxt, cmds = m.tick(r, now)
+            if nxt != r or cmds:
+                rollouts[rid] = (nxt, transport)
+                changed.add(rid)
+                if nxt.state != r.state or nxt.wave != r.wave:
+                    log.info(
+                        "rollout %s: %s", rid, nxt.history[-1][1] if nxt.history else nxt.state
+                    )
+            commands += [(nxt, transport, c) for c in cmds]
+
+        unsent, self._unsent = self._unsent, []
+        for rid, c, topic_name, payload in unsent:
+            if self.publish(topic_name, payload):
+                self.sent[c.action] += 1
+            else:
+                self._unsent.append((rid, c, topic_name, payload))
+        for r, transport, c in commands:
+            self._send(r, transport, c)
+        for rid in changed:
+            r, transport = rollouts[rid]
+            doc = json.dumps({**r.to_json(), "transport": transport})
+            self.store.save_rollout(rid, r.state, doc, now)
+        return [r for r, _ in rollouts.values() if r.state in ("running", "paused")]
+
+    def _send(self, r: m.Rollout, transport: str, c: m.Command) -> None:
+        site = self._site(c.device)
+        if site is None:
+            log.warning("rollout %s: device %s is not in the registry", r.id, c.device)
+            return
+        if c.action == "offer":
+            url = self.url_for(r.sha256, transport)
+            cmd = OtaCommand(
+                action="install", bundle_id=r.bundle_id, url=url, length=r.length, rollout=r.id
+            )
+        else:
+            kind = r.kind if r.kind in ("model", "config", "agent") else None
+            cmd = OtaCommand(
+                action="rollback",
+                bundle_id=r.bundle_id,
+                kind=kind,  # type: ignore[arg-type]
+                rollout=r.id,
+            )
+        payload = encode_command(cmd)
+        if self.publish(topic(site, c.device, "cmd/ota"), payload):
+            self.sent[c.action] += 1
+        else:
+            # Not connected: sent again at the next step (a restart loses it; the device
+            # timeout then stands in).
+            self._unsent.append((r.id, c, topic(site, c.device, "cmd/ota"), payload))
+
+
+class MqttCommands:
+    """The orchestrator's own MQTT client: QoS 1 publishes to devices' ``cmd/ota``."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        client_id: str = "fleet-orchestrator",
+        username: str | None = None,
+        password: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> None:
+        self._client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5
+        )
+        if username is not None:
+            self._client.username_pw_set(username, password)
+        if tls_ca or tls_cert:
+            self._client.tls_set(
+                ca_certs=tls_ca,
+                certfile=tls_cert,
+                keyfile=tls_key,
+                tls_version=ssl.PROTOCOL_TLS_CLIENT,
+            )
+        self._connected = threading.Event()
+        self._client.on_connect = self._on_connect
+        self._client.on_disconnect = self._on_disconnect
+        self._client.reconnect_delay_set(min_delay=1, max_delay=10)
+        self.host, self.port = host, port
+
+    def _on_connect(self, _c: mqtt.Client, _u: Any, _f: Any, rc: ReasonCode, _p: Any) -> None:
+        if not rc.is_failure:
+            self._connected.set()
+
+    def _on_disconnect(self, *_a: Any) -> None:
+        self._connected.clear()
+
+    def start(self) -> None:
+        self._client.connect_async(self.host, self.port, keepalive=30)
+        self._client.loop_start()
+
+    def wait_connected(self, timeout: float) -> bool:
+        return self._connected.wait(timeout)
+
+    def publish(self, topic_name: str, payload: bytes) -> bool:
+        if not self._connected.is_set():
+            return False
+        info = self._client.publish(topic_name, payload, qos=1)
+        return info.rc == mqtt.MQTT_ERR_SUCCESS
+
+    def stop(self) -> None:
+        self._client.disconnect()
+        self._client.loop_stop()
+
+
+@dataclass(frozen=True)
+class RolloutService:
+    """What ``fleet serve`` runs beside the ingest: the artifact server and the orchestrator."""
+
+    store_url: str
+    artifacts: Path
+    broker_host: str = "127.0.0.1"
+    broker_port: int = 1883
+    http_host: str = "127.0.0.1"
+    http_port: int = 8700
+    coap_port: int = 5683
+    #: The host name devices use to reach the artifact server (default: http_host).
+    advertise: str = ""
+    tick_s: float = 0.5
+    username: str | None = None
+    password: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def __repr__(self) -> str:  # the password must never reach a log line
+        return f"RolloutService(store={self.store_url!r}, artifacts={str(self.artifacts)!r})"
+
+
+def serve_rollouts(cfg: RolloutService, stop: threading.Event) -> None:
+    """Blocking until ``stop``: run it in a thread of ``fleet serve``."""
+    asyncio.run(_serve(cfg, stop))
+
+
+async def _serve(cfg: RolloutService, stop: threading.Event) -> None:
+    from fleet.artifacts import ArtifactServer  # noqa: PLC0415 - aiohttp/aiocoap on use
+    from fleet.store import open_store  # noqa: PLC0415
+
+    cfg.artifacts.mkdir(parents=True, exist_ok=True)
+    store = open_store(cfg.store_url)
+    store.migrate()
+    mq = MqttCommands(
+        cfg.broker_host,
+        cfg.broker_port,
+        username=cfg.username,
+        password=cfg.password,
+        tls_ca=cfg.tls_ca,
+        tls_cert=cfg.tls_cert,
+        tls_key=cfg.tls_key,
+    )
+    mq.start()
+    host = cfg.advertise or cfg.http_host
+    try:
+        async with ArtifactServer(
+            cfg.artifacts,
+            http_host=cfg.http_host,
+            http_port=cfg.http_port,
+            coap_host=cfg.http_host,
+            coap_port=cfg.coap_port,
+        ) as srv:
+
+            def url_for(sha: str, transport: str) -> str:
+                if transport == "coap":
+                    return f"coap://{host}:{srv.coap_port}/bundles/{sha}"
+                return f"http://{host}:{srv.http_port}/v1/bundles/{sha}"
+
+            orch = Orchestrator(store, publish=mq.publish, url_for=url_for)
+            log.info(
+                "rollouts: artifacts on http://%s:%d and coap://%s:%d",
+                host, srv.http_port, host, srv.coap_port,
+            )  # fmt: skip
+            while not stop.is_set():
+                try:
+                    await asyncio.to_thread(orch.step)
+                except FleetError as exc:
+                    log.error("rollouts: %s", exc)
+                await asyncio.sleep(cfg.tick_s)
+    finally:
+        mq.stop()
+        store.close()
+
+
+__all__ = [
+    "MqttCommands",
+    "Orchestrator",
+    "PlanError",
+    "RolloutError",
+    "RolloutService",
+    "create_rollout",
+    "read_bundle",
+    "request",
+    "serve_rollouts",
+]
