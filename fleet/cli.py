@@ -29,6 +29,8 @@ from rich.table import Table
 from edge_agent import __version__
 from fleet.errors import FleetError, IngestError
 from fleet.pki_cli import broker_config_cmd, pki_app
+from fleet.rollout_cli import label as rollout_label
+from fleet.rollout_cli import rollout_app
 from fleet.store import DeviceInfo, Gap, Store, open_store
 
 ENV_STORE = "FLEET_STORE"
@@ -490,6 +492,8 @@ def _root() -> None:
 
 # Certificates and the broker's TLS config (fleet/pki_cli.py).
 app.add_typer(pki_app, name="pki")
+app.add_typer(rollout_app, name="rollout")
+devices_app.command("label")(rollout_label)
 app.command("broker-config")(broker_config_cmd)
 
 

@@ -1,0 +1,260 @@
+"""``fleet rollout`` and ``fleet devices label``: plan, start, steer and watch rollouts.
+
+``create`` needs only the store and the artifact directory: ``fleet serve`` (its
+orchestrator) sends the offers and follows the devices. ``pause``, ``resume`` and ``abort``
+are requests the orchestrator takes at its next step (within a second). Exit codes as the
+rest of ``fleet``: 0 ok, 1 not found, 2 bad usage, 3 store failure.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fleet.errors import FleetError
+from fleet.rollout import machine as m
+from fleet.rollout.orchestrator import RolloutError, create_rollout, load, request
+from fleet.rollout.plan import TIERS, PlanError, parse_fraction, parse_selector, parse_waves
+from fleet.store import Store, open_store
+
+rollout_app = typer.Typer(help="OTA rollouts in waves that halt themselves.", no_args_is_help=True)
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False)
+
+StoreOpt = Annotated[
+    str | None,
+    typer.Option("--store", envvar="FLEET_STORE", help="Store URL or SQLite file [./fleet.db]"),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+ArtifactsOpt = Annotated[
+    Path,
+    typer.Option(
+        "--artifacts", envvar="FLEET_ARTIFACTS", help="Artifact directory of fleet serve."
+    ),
+]
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    err.print(f"fleet: {message}", markup=False)
+    raise typer.Exit(code)
+
+
+def _open(value: str | None) -> Store:
+    from fleet.cli import store_url  # noqa: PLC0415 - one URL rule for every command
+
+    try:
+        store = open_store(store_url(value))
+        store.migrate()
+    except FleetError as exc:
+        _fail(str(exc), 3)
+    return store
+
+
+def _iso(t_ns: int) -> str:
+    return datetime.fromtimestamp(t_ns / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _device(d: m.DeviceRun) -> dict[str, Any]:
+    return {
+        "wave": d.wave + 1,
+        "state": d.state,
+        "attempts": d.attempts,
+        "reason": d.reason,
+        "code": d.code,
+    }
+
+
+def summary(r: m.Rollout) -> dict[str, Any]:
+    """What ``status --json`` prints for one rollout."""
+    waves = []
+    for k, names in enumerate(r.waves):
+        waves.append({"wave": k + 1, "devices": len(names), "states": r.counts(k)})
+    return {
+        "id": r.id,
+        "state": r.state,
+        "reason": r.reason,
+        "bundle_id": r.bundle_id,
+        "version": r.version,
+        "kind": r.kind,
+        "sha256": r.sha256,
+        "wave": r.wave + 1,
+        "waves": waves,
+        "devices": {d.device: _device(d) for d in r.devices.values()},
+        "history": [{"t_ns": t, "event": e} for t, e in r.history],
+    }
+
+
+@rollout_app.command("create")
+def create(  # noqa: PLR0917 - typer passes options as parameters
+    bundle: Annotated[Path, typer.Argument(help="The signed .efb bundle.")],
+    select: Annotated[str, typer.Option(help="site=..,device_type=..,group=..,tier=..")] = "",
+    waves: Annotated[str, typer.Option(help="Cumulative percentages.")] = "1%,10%,50%,100%",
+    max_failure: Annotated[str, typer.Option(help="Halt past this failure rate.")] = "5%",
+    min_devices: Annotated[
+        int, typer.Option(min=1, help="Finished devices before it may halt.")
+    ] = 5,
+    success_gate: Annotated[str, typer.Option(help="Committed share to start a wave.")] = "95%",
+    device_timeout: Annotated[
+        float, typer.Option(min=1, help="Seconds before a device times out.")
+    ] = 300.0,
+    max_attempts: Annotated[
+        int, typer.Option(min=1, max=10, help="Offers per device (transient).")
+    ] = 3,
+    transport: Annotated[str, typer.Option(help="http or coap.")] = "http",
+    root: Annotated[
+        Path | None, typer.Option(help="Check the signatures against this root.json.")
+    ] = None,
+    artifacts: ArtifactsOpt = Path("artifacts"),
+    store: StoreOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Plan the waves and start a rollout of BUNDLE (fleet serve sends the offers)."""
+    try:
+        params = m.Params(
+            waves=parse_waves(waves),
+            max_failure=parse_fraction(max_failure, what="--max-failure"),
+            min_devices=min_devices,
+            success_gate=parse_fraction(success_gate, what="--success-gate"),
+            device_timeout_s=device_timeout,
+            max_attempts=max_attempts,
+        )
+        selector = parse_selector(select)
+    except PlanError as exc:
+        _fail(str(exc), 2)
+    st = _open(store)
+    try:
+        r = create_rollout(
+            st, bundle, artifacts=artifacts, selector=selector, params=params,
+            transport=transport, root_json=root,
+        )  # fmt: skip
+    except (RolloutError, PlanError) as exc:
+        _fail(str(exc), 2)
+    except FleetError as exc:
+        _fail(str(exc), 3)
+    finally:
+        st.close()
+    if as_json:
+        print(json.dumps(summary(r)))
+        return
+    sizes = ", ".join(str(len(w)) for w in r.waves)
+    out.print(f"rollout {r.id}: {r.bundle_id} {r.version} to {len(r.devices)} device(s) in "
+              f"{len(r.waves)} wave(s) ({sizes}); fleet serve starts it")  # fmt: skip
+
+
+def _get(st: Store, rollout_id: str) -> m.Rollout:
+    for rid, _, doc in st.rollouts():
+        if rid == rollout_id:
+            return load(doc)[0]
+    _fail(f"no rollout {rollout_id!r}", 1)
+
+
+@rollout_app.command("status")
+def status(
+    rollout_id: Annotated[str, typer.Argument(help="The rollout id (r1, r2, ...).")],
+    store: StoreOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """One rollout: its state, each wave, each device, what happened."""
+    st = _open(store)
+    try:
+        r = _get(st, rollout_id)
+    finally:
+        st.close()
+    if as_json:
+        print(json.dumps(summary(r)))
+        return
+    out.print(f"rollout {r.id}: [bold]{r.state}[/bold]  {r.bundle_id} {r.version} ({r.kind})")
+    if r.reason:
+        out.print(f"  reason: {r.reason}")
+    table = Table("wave", "devices", "committed", "in flight", "failed", "timed out")
+    for k, names in enumerate(r.waves):
+        c = r.counts(k)
+        marker = " <" if k == r.wave and r.state in ("running", "paused") else ""
+        table.add_row(
+            f"{k + 1}{marker}", str(len(names)), str(c.get("committed", 0)),
+            str(c.get("offered", 0) + c.get("in_progress", 0)),
+            str(c.get("failed", 0) + c.get("rolled_back", 0)), str(c.get("timed_out", 0)),
+        )  # fmt: skip
+    out.print(table)
+    bad = [d for d in r.devices.values() if d.state in ("failed", "rolled_back", "timed_out")]
+    for d in sorted(bad, key=lambda d: d.device)[:20]:
+        out.print(f"  {d.device}: {d.state} {d.code} {d.reason}".rstrip(), markup=False)
+    for t, event in r.history[-8:]:
+        out.print(f"  {_iso(t)}  {event}", markup=False)
+
+
+@rollout_app.command("list")
+def list_(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
+    """Every rollout, newest first."""
+    st = _open(store)
+    try:
+        rows = [load(doc)[0] for _, _, doc in st.rollouts()]
+    finally:
+        st.close()
+    if as_json:
+        print(json.dumps([{k: v for k, v in summary(r).items() if k not in ("devices", "history")}
+                          for r in rows]))  # fmt: skip
+        return
+    table = Table("id", "state", "bundle", "version", "wave", "committed", "failed", "created")
+    for r in rows:
+        c = r.counts()
+        table.add_row(
+            r.id, r.state, r.bundle_id, r.version, f"{r.wave + 1}/{len(r.waves)}",
+            f"{c.get('committed', 0)}/{len(r.devices)}",
+            str(c.get("failed", 0) + c.get("rolled_back", 0)), _iso(r.created_ns),
+        )  # fmt: skip
+    out.print(table)
+
+
+def _request(rollout_id: str, action: str, store: str | None) -> None:
+    st = _open(store)
+    try:
+        request(st, rollout_id, action)
+    except RolloutError as exc:
+        _fail(str(exc), 1 if "no rollout" in str(exc) else 2)
+    finally:
+        st.close()
+    out.print(f"rollout {rollout_id}: {action} requested (fleet serve applies it)")
+
+
+@rollout_app.command("pause")
+def pause(rollout_id: str, store: StoreOpt = None) -> None:
+    """Hold new offers and retries; devices in flight carry on."""
+    _request(rollout_id, "pause", store)
+
+
+@rollout_app.command("resume")
+def resume(rollout_id: str, store: StoreOpt = None) -> None:
+    """Continue a paused rollout."""
+    _request(rollout_id, "resume", store)
+
+
+@rollout_app.command("abort")
+def abort(rollout_id: str, store: StoreOpt = None) -> None:
+    """Stop the rollout and send rollback to every device still in flight."""
+    _request(rollout_id, "abort", store)
+
+
+def label(
+    device: Annotated[str, typer.Argument(help="The device.")],
+    group: Annotated[str | None, typer.Option(help="Rollout group (e.g. line-1).")] = None,
+    tier: Annotated[str | None, typer.Option(help="canary, normal or critical.")] = None,
+    store: StoreOpt = None,
+) -> None:
+    """Set a device's rollout group and tier (canary first, critical last)."""
+    if tier is not None and tier not in TIERS:
+        _fail(f"--tier {tier!r}: expected one of {', '.join(TIERS)}", 2)
+    st = _open(store)
+    try:
+        if not st.set_labels(device, group=group, tier=tier):
+            _fail(f"no device {device!r} in the registry", 1)
+    finally:
+        st.close()
+    out.print(f"{device}: group={group if group is not None else '(unchanged)'} "
+              f"tier={tier if tier is not None else '(unchanged)'}")  # fmt: skip
