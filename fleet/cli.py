@@ -184,9 +184,27 @@ def serve(
     tls_ca: Annotated[Path | None, typer.Option(help="CA bundle to verify the broker.")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="Client certificate (PEM).")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="Client key (PEM).")] = None,
+    rollouts: Annotated[
+        bool,
+        typer.Option(
+            "--rollouts/--no-rollouts", help="Run the artifact server and the rollout orchestrator."
+        ),
+    ] = True,
+    artifacts: Annotated[
+        Path, typer.Option(envvar="FLEET_ARTIFACTS", help="Directory of published bundles.")
+    ] = Path("artifacts"),
+    artifact_host: Annotated[str, typer.Option(help="Address the artifact server binds.")] = (
+        "127.0.0.1"
+    ),
+    artifact_port: Annotated[int, typer.Option(help="Artifact HTTP port (0: any).")] = 8700,
+    coap_port: Annotated[int, typer.Option(help="Artifact CoAP port (0: any).")] = 5683,
+    advertise: Annotated[
+        str, typer.Option(help="Host name devices use for the artifact server [bind address].")
+    ] = "",
     as_json: JsonOpt = False,
 ) -> None:
-    """Ingest devices' MQTT uplink into the store until stopped (SIGTERM / Ctrl-C)."""
+    """Ingest devices' MQTT uplink into the store until stopped (SIGTERM / Ctrl-C); with
+    ``--rollouts`` (the default) also serve bundles and run the rollouts."""
     # Imported on use: the read-only commands never load paho.
     from fleet.ingest import IngestConfig, parse_broker  # noqa: PLC0415
     from fleet.ingest import serve as run  # noqa: PLC0415
@@ -214,10 +232,37 @@ def serve(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    service: threading.Thread | None = None
+    if rollouts:
+        from fleet.rollout.orchestrator import RolloutService, serve_rollouts  # noqa: PLC0415
+
+        rcfg = RolloutService(
+            store_url=config.store_url,
+            artifacts=artifacts.resolve(),
+            broker_host=host,
+            broker_port=port,
+            http_host=artifact_host,
+            http_port=artifact_port,
+            coap_port=coap_port,
+            advertise=advertise,
+            username=config.username,
+            password=config.password,
+            tls_ca=config.tls_ca,
+            tls_cert=config.tls_cert,
+            tls_key=config.tls_key,
+        )
+        service = threading.Thread(
+            target=serve_rollouts, args=(rcfg, stop), name="rollouts", daemon=True
+        )
+        service.start()
     try:
         stats = run(config, workers=workers, duration=duration, stop=stop)
     except FleetError as exc:
         _fail(str(exc), EXIT_FAILURE)
+    finally:
+        stop.set()
+        if service is not None:
+            service.join(timeout=5)
     per_worker = [s.as_dict() for s in stats]
     if as_json:
         _print_json({"workers": per_worker})
