@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import random
 import ssl as ssl_module
@@ -38,7 +39,9 @@ from ota.errors import FetchError, FetchStalled, FetchTooLarge
 if TYPE_CHECKING:
     import aiohttp
 
-__all__ = ["fetch"]
+__all__ = ["fetch", "redact_url"]
+
+_log = logging.getLogger(__name__)
 
 COAP_BLOCK_SZX = 6  # 1024-byte blocks: the largest non-BERT size, one datagram each
 COAP_WINDOW = 16  # block requests in flight per transfer
@@ -446,7 +449,17 @@ async def fetch(
                     failures = 0 if progressed else failures + 1
                     if failures >= attempts:
                         raise
-                await asyncio.sleep(random.uniform(0, backoff_s * 1.5 ** min(10, failures)))
+                    delay = random.uniform(0, backoff_s * 1.5 ** min(10, failures))
+                    _log.warning(
+                        "%s (%s); resuming at offset %d in %.2f s (%d/%d without progress)",
+                        exc,
+                        exc.code,
+                        _part_size(part, length),
+                        delay,
+                        failures,
+                        attempts,
+                    )
+                    await asyncio.sleep(delay)
     except FetchError:
         raise
     except _foreign_errors(transport) as exc:  # entering or leaving the transport
