@@ -133,8 +133,13 @@ class _BlockFiles:
             os.close(fd)
 
 
-class _CoapBundles(aiocoap.resource.Resource, aiocoap.resource.PathCapable):  # type: ignore[misc]
-    """``bundles/{sha256}``: one Block2 block per request, read from the file."""
+class _CoapBundles(aiocoap.resource.Resource):  # type: ignore[misc]
+    """The whole CoAP site: ``bundles/{sha256}``, one Block2 block per request.
+
+    It is the server's root resource rather than a child of an ``aiocoap.resource.Site``:
+    the Site deep-copies every request to strip the path, which cost a fifth of the CPU of
+    a block transfer.
+    """
 
     def __init__(self, files: _BlockFiles, stats: ArtifactStats) -> None:
         super().__init__()
@@ -147,13 +152,15 @@ class _CoapBundles(aiocoap.resource.Resource, aiocoap.resource.PathCapable):  # 
     async def render_get(self, request: Any) -> Any:
         self._stats.coap_requests += 1
         path = request.opt.uri_path
-        if len(path) != 1 or not is_sha256(path[0]):
+        if not path or path[0] != "bundles":
+            return _coap_error(Code.NOT_FOUND, "only bundles/<sha256> is served here")
+        if len(path) != 2 or not is_sha256(path[1]):
             self._stats.coap_bad_name += 1
             return _coap_error(Code.BAD_REQUEST, "expected bundles/<sha256, 64 lowercase hex>")
-        entry = self._files.get(path[0])
+        entry = self._files.get(path[1])
         if entry is None:
             self._stats.coap_not_found += 1
-            return _coap_error(Code.NOT_FOUND, f"no bundle {path[0]}")
+            return _coap_error(Code.NOT_FOUND, f"no bundle {path[1]}")
         fd, size = entry
         block2 = request.opt.block2
         num, szx = (0, _MAX_SZX) if block2 is None else (block2.block_number, block2.size_exponent)
@@ -257,11 +264,10 @@ class ArtifactServer:
         self._http_port = int(self._runner.addresses[0][1])
 
     async def _start_coap(self) -> None:
-        site = aiocoap.resource.Site()
-        site.add_resource(["bundles"], _CoapBundles(self._files, self.stats))
+        root = _CoapBundles(self._files, self.stats)
         try:
             self._coap = await aiocoap.Context.create_server_context(
-                site, bind=(self._coap_host, self._coap_port), transports=["udp6"]
+                root, bind=(self._coap_host, self._coap_port), transports=["udp6"]
             )
         except (OSError, aiocoap.error.Error) as exc:
             raise ArtifactError(
