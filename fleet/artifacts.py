@@ -18,7 +18,6 @@ a bundle removed from the directory is served until its descriptor leaves the ca
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import hashlib
@@ -310,9 +309,3 @@ class ArtifactServer:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-async def serve_forever(server: ArtifactServer, stop: asyncio.Event) -> None:
-    """Run ``server`` until ``stop`` is set (the CLI sets it on SIGINT / SIGTERM)."""
-    async with server:
-        await stop.wait()

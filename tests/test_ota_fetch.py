@@ -6,9 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -20,8 +24,10 @@ import aiohttp
 import pytest
 from aiocoap.numbers.codes import Code
 from aiohttp import web
+from typer.testing import CliRunner
 
 from fleet.artifacts import ArtifactServer, bundle_path, publish
+from fleet.artifacts_cli import app as artifacts_app
 from ota.errors import FetchError, FetchStalled, FetchTooLarge
 from ota.fetch import fetch, redact_url
 
@@ -580,3 +586,56 @@ def test_publish_names_the_file_by_its_sha256(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "served").iterdir()] == [f"{sha}.efb"]
     with pytest.raises(ValueError, match="not a sha256"):
         bundle_path(tmp_path, "../etc/passwd")
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+
+
+def test_cli_add_and_serve(tmp_path: Path) -> None:
+    data = os.urandom(300_000)
+    (tmp_path / "b.efb").write_bytes(data)
+    served = tmp_path / "served"
+    r = CliRunner().invoke(artifacts_app, ["add", str(tmp_path / "b.efb"), "--dir", str(served)])
+    assert r.exit_code == 0, r.output
+    sha = r.output.split()[0]
+    assert sha == hashlib.sha256(data).hexdigest()
+
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-c", "from fleet.artifacts_cli import app; app()", "serve"),
+            *("--dir", str(served), "--http-port", "0", "--coap-port", "0", "--json"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        ports = json.loads(proc.stdout.readline())
+
+        async def main() -> None:
+            for url in (
+                f"http://127.0.0.1:{ports['http_port']}/v1/bundles/{sha}",
+                f"coap://127.0.0.1:{ports['coap_port']}/bundles/{sha}",
+            ):
+                got = await fetch(url, tmp_path / "got.efb", length=len(data))
+                assert got.read_bytes() == data
+
+        run(main())
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    stats = json.loads(out.strip().splitlines()[-1])
+    assert stats["http_requests"] == 1
+    assert stats["coap_bytes"] == len(data)
+
+
+def test_cli_serve_missing_dir(tmp_path: Path) -> None:
+    r = CliRunner().invoke(
+        artifacts_app, ["serve", "--dir", str(tmp_path / "nope"), "--http-port", "0"]
+    )
+    assert r.exit_code == 1
+    assert "does not exist" in r.output
