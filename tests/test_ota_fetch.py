@@ -26,6 +26,7 @@ from aiocoap.numbers.codes import Code
 from aiohttp import web
 from typer.testing import CliRunner
 
+import ota.fetch
 from fleet.artifacts import ArtifactServer, bundle_path, publish
 from fleet.artifacts_cli import app as artifacts_app
 from ota.errors import FetchError, FetchStalled, FetchTooLarge
@@ -122,6 +123,7 @@ class UdpProxy(asyncio.DatagramProtocol):
         self.dropped = 0
         self.blocks_asked: list[int] = []
         self.client: Any = None
+        self.clients: list[Any] = []
         self.port = 0
         self._down: asyncio.DatagramTransport | None = None
         self._up: asyncio.DatagramTransport | None = None
@@ -154,6 +156,8 @@ class UdpProxy(asyncio.DatagramProtocol):
             self.dropped += 1
             return
         self.client = addr
+        if addr not in self.clients:
+            self.clients.append(addr)
         message = aiocoap.Message.decode(data)
         if message.opt.block2 is not None:
             self.blocks_asked.append(message.opt.block2.block_number)
@@ -288,6 +292,26 @@ def test_coap_blackout_midway_resumes(
     offsets = {int(m.group(1)) for r in retries if (m := re.search(r"offset (\d+) in", r))}
     assert offsets
     assert min(offsets) > SIZE // 3
+
+
+def test_coap_changes_client_context_before_message_ids_wrap(
+    bundle: tuple[Path, str, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The real budget (30,000 requests) needs a 30 MB bundle; a small one shows the same
+    # hand-over: the window drains, a new context (new source port) resolves and goes on.
+    monkeypatch.setattr(ota.fetch, "COAP_REQUESTS_PER_CONTEXT", 700)
+    served, sha, data = bundle
+
+    async def main() -> UdpProxy:
+        async with ArtifactServer(served) as srv, UdpProxy(srv.coap_port) as proxy:
+            url = f"coap://127.0.0.1:{proxy.port}/bundles/{sha}"
+            await fetch(url, tmp_path / "got.efb", length=SIZE)
+            return proxy
+
+    proxy = run(main())
+    assert (tmp_path / "got.efb").read_bytes() == data
+    assert sorted(proxy.blocks_asked) == list(range(SIZE // 1024 + 1))
+    assert len(proxy.clients) == -(-(SIZE // 1024 + 1) // 700)  # one source port per context
 
 
 @pytest.mark.parametrize("scheme", ["http", "coap"])
