@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import os
 import re
+import ssl
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,8 +198,9 @@ def _udp_port(ctx: Any) -> int:
 class ArtifactServer:
     """Serve ``directory``'s bundles over HTTP and CoAP while the context is entered.
 
-    Ports 0 pick free ones; after entering, ``http_port`` / ``coap_port`` are the bound
-    ports and ``http_url(sha)`` / ``coap_url(sha)`` the URLs a device fetches.
+    ``http_ssl`` makes the HTTP side HTTPS. Ports 0 pick free ones; after entering,
+    ``http_port`` / ``coap_port`` are the bound ports and ``http_url(sha)`` /
+    ``coap_url(sha)`` the URLs a device fetches.
     """
 
     def __init__(
@@ -209,8 +211,10 @@ class ArtifactServer:
         http_port: int = 0,
         coap_host: str = "127.0.0.1",
         coap_port: int = 0,
+        http_ssl: ssl.SSLContext | None = None,
     ) -> None:
         self.directory = directory
+        self._http_ssl = http_ssl
         self._http_host, self._http_port = http_host, http_port
         self._coap_host, self._coap_port = coap_host, coap_port
         self.stats = ArtifactStats()
@@ -227,7 +231,8 @@ class ArtifactServer:
         return self._coap_port
 
     def http_url(self, sha256: str) -> str:
-        return f"http://{_url_host(self._http_host)}:{self._http_port}/v1/bundles/{sha256}"
+        scheme = "https" if self._http_ssl is not None else "http"
+        return f"{scheme}://{_url_host(self._http_host)}:{self._http_port}/v1/bundles/{sha256}"
 
     def coap_url(self, sha256: str) -> str:
         return f"coap://{_url_host(self._coap_host)}:{self._coap_port}/bundles/{sha256}"
@@ -253,7 +258,9 @@ class ArtifactServer:
         app.router.add_get("/v1/bundles/{sha256}", self._http_bundle)  # HEAD too
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self._http_host, self._http_port)
+        site = web.TCPSite(
+            self._runner, self._http_host, self._http_port, ssl_context=self._http_ssl
+        )
         try:
             await site.start()
         except OSError as exc:

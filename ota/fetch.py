@@ -140,7 +140,7 @@ class _HttpTransport:
         ssl: ssl_module.SSLContext | bool = self._ssl if self._ssl is not None else True
         async with self._session.get(url, headers=headers, ssl=ssl) as resp:
             if resp.status == 206 and offset:
-                start, total = _content_range(resp.headers.get("Content-Range"), url)
+                start, total = _content_range(resp.headers.get("Content-Range"), url, offset)
                 if start != offset:
                     raise FetchError(
                         f"{redact_url(url)}: asked for bytes from {offset}, "
@@ -164,14 +164,14 @@ class _HttpTransport:
                 pos += len(data)
 
 
-def _content_range(value: str | None, url: str) -> tuple[int, int | None]:
+def _content_range(value: str | None, url: str, offset: int) -> tuple[int, int | None]:
     """``bytes START-END/TOTAL`` -> (START, TOTAL or None for ``*``)."""
     unit, _, spec = (value or "").strip().partition(" ")
     span, _, total = spec.partition("/")
     start, _, _end = span.partition("-")
     if unit == "bytes" and start.isdigit() and (total == "*" or total.isdigit()):
         return int(start), (None if total == "*" else int(total))
-    raise FetchError(f"{redact_url(url)}: bad Content-Range {value!r} on a 206")
+    raise FetchError(f"{redact_url(url)} at offset {offset}: bad Content-Range {value!r} on a 206")
 
 
 class _CoapTransport:
@@ -185,7 +185,6 @@ class _CoapTransport:
         self._ctx: Any = None
         self._sent = 0  # requests sent on the current context
         self.errors: tuple[type[BaseException], ...] = ()
-        self.blocks_received = 0  # for the benchmark: blocks accepted, all attempts
 
     async def __aenter__(self) -> Self:
         import aiocoap  # noqa: PLC0415 - imported on use (STYLE.md #5)
@@ -356,7 +355,6 @@ class _CoapTransport:
                 f"{redact_url(url)} at offset {offset}: block {num} has {len(payload)} "
                 f"bytes, expected {size}{'' if block2.more else ' at most'}"
             )
-        self.blocks_received += 1
         return payload, bool(block2.more)
 
 

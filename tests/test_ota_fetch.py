@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ from aiohttp import web
 from typer.testing import CliRunner
 
 import ota.fetch
+from fleet import pki
 from fleet.artifacts import ArtifactServer, bundle_path, publish
 from fleet.artifacts_cli import app as artifacts_app
 from ota.errors import FetchError, FetchStalled, FetchTooLarge
@@ -201,6 +203,28 @@ def test_whole_file_is_byte_identical(
     assert not (tmp_path / "got.efb.part").exists()
     assert seen == sorted(seen)
     assert seen[-1] == SIZE
+
+
+def test_https_with_the_fleet_ca(bundle: tuple[Path, str, bytes], tmp_path: Path) -> None:
+    served, sha, data = bundle
+    ca = pki.init_ca(tmp_path / "pki")
+    cert = pki.issue(ca.dir, "artifacts", tmp_path / "srv", kind="server", hosts=["127.0.0.1"])
+    server_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ssl.load_cert_chain(cert.cert, cert.key)
+    device_ssl = ssl.create_default_context(cafile=str(ca.cert))
+
+    async def main() -> None:
+        async with ArtifactServer(served, http_ssl=server_ssl) as srv:
+            url = srv.http_url(sha)
+            assert url.startswith("https://")
+            await fetch(url, tmp_path / "got.efb", length=SIZE, ssl=device_ssl)
+            # Without the fleet CA the device must refuse the server, as a FetchError.
+            with pytest.raises(FetchError, match=r"(?i)certificate"):
+                await fetch(url, tmp_path / "no.efb", length=SIZE, attempts=1)
+
+    run(main())
+    assert (tmp_path / "got.efb").read_bytes() == data
+    assert not (tmp_path / "no.efb").exists()
 
 
 def test_empty_bundle(tmp_path: Path) -> None:
