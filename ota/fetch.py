@@ -49,10 +49,10 @@ COAP_WINDOW = 16  # block requests in flight per transfer
 # resend of the same block up to the cap; the stall timeout in fetch() bounds the total.
 COAP_RTO_S = 1.0
 COAP_RTO_MAX_S = 4.0
-# aiocoap deduplicates on (peer, message id) for EXCHANGE_LIFETIME (247 s) and message ids
-# are 16 bit, so one client context must not send more than 65,536 requests in that time:
-# a bigger transfer would have its requests (and responses) dropped as "duplicates". A new
-# context (new source port, fresh id space) is opened after this many requests.
+# A CoAP server deduplicates requests on (client address, message id) for EXCHANGE_LIFETIME
+# (247 s) and message ids are 16 bit, so one client context must not send more than 65,536
+# requests in that time: a bigger transfer would have its requests dropped as duplicates.
+# A new context (new source port, so a new key on the server) is opened after this many.
 COAP_REQUESTS_PER_CONTEXT = 30_000
 HTTP_CHUNK = 64 * 1024
 

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -116,55 +117,69 @@ class TcpProxy:
 
 
 class UdpProxy(asyncio.DatagramProtocol):
-    """Forwards datagrams between one client and a UDP server; drops all while ``dropping``.
-    Decodes the CoAP requests it forwards to record the Block2 numbers asked for."""
+    """A NAT between CoAP clients and a UDP server: one upstream socket per client address (so
+    the server tells clients apart, as it would without the proxy); drops everything while
+    ``dropping``. Decodes the requests it forwards to record the Block2 numbers asked for."""
 
     def __init__(self, target_port: int) -> None:
         self.target = ("127.0.0.1", target_port)
         self.dropping = False
         self.dropped = 0
         self.blocks_asked: list[int] = []
-        self.client: Any = None
         self.clients: list[Any] = []
         self.port = 0
         self._down: asyncio.DatagramTransport | None = None
-        self._up: asyncio.DatagramTransport | None = None
+        self._up: dict[Any, socket.socket] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def __aenter__(self) -> UdpProxy:
-        loop = asyncio.get_running_loop()
-        proxy = self
-
-        class Upstream(asyncio.DatagramProtocol):
-            def datagram_received(self, data: bytes, addr: Any) -> None:
-                if proxy.dropping:
-                    proxy.dropped += 1
-                elif proxy._down is not None and proxy.client is not None:
-                    proxy._down.sendto(data, proxy.client)
-
-        self._down, _ = await loop.create_datagram_endpoint(
+        self._loop = asyncio.get_running_loop()
+        self._down, _ = await self._loop.create_datagram_endpoint(
             lambda: self, local_addr=("127.0.0.1", 0)
         )
-        self._up, _ = await loop.create_datagram_endpoint(Upstream, local_addr=("127.0.0.1", 0))
         self.port = self._down.get_extra_info("sockname")[1]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for t in (self._down, self._up):
-            if t is not None:
-                t.close()
+        assert self._loop is not None
+        for sock in self._up.values():
+            self._loop.remove_reader(sock.fileno())
+            sock.close()
+        if self._down is not None:
+            self._down.close()
+
+    def _upstream(self, client: Any) -> socket.socket:
+        sock = self._up.get(client)
+        if sock is None:
+            assert self._loop is not None
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.setblocking(False)
+            sock.bind(("127.0.0.1", 0))
+            self._loop.add_reader(sock.fileno(), self._from_server, sock, client)
+            self._up[client] = sock
+            self.clients.append(client)
+        return sock
+
+    def _from_server(self, sock: socket.socket, client: Any) -> None:
+        while True:
+            try:
+                data = sock.recv(65536)
+            except BlockingIOError:
+                return
+            if self.dropping:
+                self.dropped += 1
+            elif self._down is not None:
+                self._down.sendto(data, client)
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         if self.dropping:
             self.dropped += 1
             return
-        self.client = addr
-        if addr not in self.clients:
-            self.clients.append(addr)
         message = aiocoap.Message.decode(data)
         if message.opt.block2 is not None:
             self.blocks_asked.append(message.opt.block2.block_number)
-        assert self._up is not None
-        self._up.sendto(data, self.target)
+        with contextlib.suppress(BlockingIOError):
+            self._upstream(addr).sendto(data, self.target)
 
 
 @contextlib.asynccontextmanager
