@@ -244,17 +244,18 @@ class _CoapTransport:
                 f"the offer declared {length}"
             )
 
+        # The URI options of the first request, to set on every block request (only those
+        # present: each option set costs an option object).
+        uri_options = {
+            name: value
+            for name in ("uri_host", "uri_port", "uri_path", "uri_query")
+            if (value := getattr(template.opt, name))
+        }
+
         def by_remote(num: int) -> Any:
             # A fresh message per block with the first one's options and resolved peer:
             # Message.copy deep-copies, and resolving the URI again costs a socket per block.
-            m = aiocoap.Message(
-                code=Code.GET,
-                transport_tuning=tuning,
-                uri_path=template.opt.uri_path,
-                uri_query=template.opt.uri_query,
-                uri_host=template.opt.uri_host,
-                uri_port=template.opt.uri_port,
-            )
+            m = aiocoap.Message(code=Code.GET, transport_tuning=tuning, **uri_options)
             m.opt.block2 = (num, False, self._szx)
             m.remote = remote
             return m
@@ -360,14 +361,12 @@ class _CoapTransport:
 
 def _clone_request(msg: Any, aiocoap: Any) -> Any:
     """The same request for a resend: aiocoap stamps token/mid on a message it sends."""
-    clone = aiocoap.Message(
-        code=msg.code,
-        transport_tuning=msg.transport_tuning,
-        uri_path=msg.opt.uri_path,
-        uri_query=msg.opt.uri_query,
-        uri_host=msg.opt.uri_host,
-        uri_port=msg.opt.uri_port,
-    )
+    options = {
+        name: value
+        for name in ("uri_host", "uri_port", "uri_path", "uri_query")
+        if (value := getattr(msg.opt, name))
+    }
+    clone = aiocoap.Message(code=msg.code, transport_tuning=msg.transport_tuning, **options)
     clone.opt.block2 = msg.opt.block2
     clone.remote = msg.remote
     return clone
