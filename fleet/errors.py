@@ -7,7 +7,8 @@
      │    └── SchemaTooNew       the database was migrated by newer code than this
      ├── PkiError                a CA or certificate file is missing, foreign or refused
      ├── IngestError             the ingest service cannot run (bad broker, bad options)
-     └── MessageRefused          one uplink message quarantined (bad topic, schema, device)
+     ├── MessageRefused          one uplink message quarantined (bad topic, schema, device)
+     └── ArtifactError           the artifact server cannot bind, read its folder or publish
 """
 
 from __future__ import annotations
@@ -56,3 +57,8 @@ class MessageRefused(FleetError):
         self.reason = reason
         self.where = where
         self.device = device
+
+
+class ArtifactError(FleetError):
+    """The artifact server cannot serve: a missing directory, a port it cannot bind, a bundle
+    it cannot publish. The message names the directory, address or file."""
