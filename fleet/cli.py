@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from edge_agent import __version__
+from fleet.artifacts_cli import app as artifacts_app
 from fleet.errors import FleetError, IngestError
 from fleet.pki_cli import broker_config_cmd, pki_app
 from fleet.rollout_cli import label as rollout_label
@@ -538,6 +539,7 @@ def _root() -> None:
 # Certificates and the broker's TLS config (fleet/pki_cli.py).
 app.add_typer(pki_app, name="pki")
 app.add_typer(rollout_app, name="rollout")
+app.add_typer(artifacts_app, name="artifacts")
 devices_app.command("label")(rollout_label)
 app.command("broker-config")(broker_config_cmd)
 

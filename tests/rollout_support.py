@@ -23,7 +23,7 @@ from fleet.rollout.orchestrator import RolloutService, create_rollout, load, ser
 from fleet.rollout.plan import parse_selector
 from fleet.store import Store, open_store
 from tests.mqtt_broker import Mosquitto, free_port
-from tests.ota_support import DEVICE_TYPE, Signer
+from tests.ota_support import DEVICE_TYPE, Signer, model_members
 
 SITE = "plant-t"
 
@@ -204,8 +204,6 @@ def fleet(
 
 
 def model_bundle(f: Fleet, tag: str, **kw: Any) -> tuple[Path, str]:
-    from tests.ota_support import model_members
-
     members, sha = model_members(f.tmp, tag)
     return f.signer.bundle(f.tmp / f"{tag}.efb", members, **kw), sha
 
