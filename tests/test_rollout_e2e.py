@@ -3,13 +3,22 @@ SimAgent devices (the agent's own uplink, updater and reasoning; simulated windo
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from fleet.cli import app
+from fleet.rollout.orchestrator import request
+from models import load_model
+from ota.updater import Updater
 from tests.mqtt_broker import Mosquitto, mosquitto
-from tests.rollout_support import dump, fleet, model_bundle
+from tests.ota_support import Signer, model_members
+from tests.rollout_support import dump, fleet, model_bundle, wait_for
 
 
 @pytest.fixture
@@ -33,3 +42,128 @@ def test_a_good_model_rolls_out_wave_by_wave_to_50_agents(
         assert {"dev-47", "dev-48", "dev-49"} <= set(r.waves[-1])
         assert set(f.serving().values()) == {new_sha}
         assert all(d.attempts == 1 for d in r.devices.values())
+
+
+def test_a_bundle_with_a_bad_signature_fails_everywhere_without_retries_and_halts(
+    tmp_path: Path, broker: Mosquitto
+) -> None:
+    with fleet(tmp_path, broker, 12) as f:
+        members, _ = model_members(tmp_path, "forged")
+        forged = Signer()  # a key the devices' root does not know
+        bundle = forged.bundle(tmp_path / "forged.efb", members, probation={"seconds": 1})
+        factory = load_model().sha256
+        rid = f.create(bundle, waves=(0.5, 1.0), min_devices=3, max_failure=0.05)
+        r = f.wait_state(rid, {"completed", "halted"}, timeout=60)
+        assert r.state == "halted", dump(r)
+        assert "failed" in r.reason
+        wave1 = [r.devices[n] for n in r.waves[0]]
+        finished = [d for d in wave1 if d.state == "failed"]
+        assert len(finished) >= 3
+        assert all(d.code == "bad_signature" for d in finished)
+        assert all(d.attempts == 1 for d in wave1), "a permanent failure is never retried"
+        assert all(r.devices[n].attempts == 0 for n in r.waves[1]), "no second wave"
+        assert set(f.serving().values()) == {factory}
+
+
+def test_abort_mid_wave_rolls_back_the_devices_in_flight(tmp_path: Path, broker: Mosquitto) -> None:
+    with fleet(tmp_path, broker, 10) as f:
+        bundle, new_sha = model_bundle(f, "v2", probation={"seconds": 60, "min_windows": 5})
+        factory = load_model().sha256
+        rid = f.create(bundle, waves=(0.3, 1.0), min_devices=3)
+
+        def in_probation() -> bool:
+            r = f.rollout(rid)
+            return r.wave == 0 and all(r.devices[n].state == "in_progress" for n in r.waves[0])
+
+        wait_for(in_probation, 60, "wave 1 in probation")
+        r = f.rollout(rid)
+        wave1 = list(r.waves[0])
+        wait_for(lambda: all(f.agents[n]._model_sha256() == new_sha for n in wave1), 30,
+                 "the new model live on wave 1")  # fmt: skip
+        st = f.store()
+        try:
+            request(st, rid, "abort")
+        finally:
+            st.close()
+        r = f.wait_state(rid, {"aborted"}, timeout=30)
+        wait_for(lambda: set(f.serving().values()) == {factory}, 30, "wave 1 rolled back")
+        assert all(r.devices[n].state == "aborted" for n in r.devices)
+        assert all(r.devices[n].attempts == 0 for n in r.waves[1])
+        for n in wave1:
+            ota = f.agents[n].ota
+            assert ota is not None
+            wait_for(partial(_idle, ota.updater), 10, "device idle")
+            last = ota.updater.journal.last
+            assert last is not None
+            assert last.result == "rolled_back"
+
+
+def _idle(updater: Updater) -> bool:
+    return updater.journal.state == "idle"
+
+
+def test_the_fleet_service_restarted_mid_rollout_resumes(tmp_path: Path, broker: Mosquitto) -> None:
+    with fleet(tmp_path, broker, 12) as f:
+        bundle, new_sha = model_bundle(f, "v2", probation={"seconds": 2, "min_windows": 5})
+        rid = f.create(bundle, waves=(0.25, 0.5, 1.0), min_devices=3)
+        wait_for(lambda: f.rollout(rid).wave >= 1, 60, "wave 2 started")
+        f.stop_service_now()
+        time.sleep(3)  # devices finish wave 2 while nobody orchestrates
+        f.start_service()
+        r = f.wait_state(rid, {"completed", "halted"}, timeout=90)
+        assert r.state == "completed", dump(r)
+        assert all(d.attempts == 1 for d in r.devices.values()), "no offer sent twice"
+        assert set(f.serving().values()) == {new_sha}
+
+
+def test_offline_devices_time_out_instead_of_blocking_their_wave(
+    tmp_path: Path, broker: Mosquitto
+) -> None:
+    labels = {"dev-00": ("", "canary"), "dev-01": ("", "canary"), "dev-02": ("", "canary")}
+    with fleet(tmp_path, broker, 10, labels=labels, offline=("dev-00", "dev-01")) as f:
+        bundle, new_sha = model_bundle(f, "v2", probation={"seconds": 1, "min_windows": 5})
+        rid = f.create(
+            bundle, waves=(0.3, 1.0), min_devices=3, success_gate=0.95, device_timeout_s=5
+        )
+        r = f.wait_state(rid, {"completed", "halted"}, timeout=90)
+        assert r.state == "completed", dump(r)
+        assert set(r.waves[0]) == {"dev-00", "dev-01", "dev-02"}
+        assert r.devices["dev-00"].state == "timed_out"
+        assert r.devices["dev-01"].state == "timed_out"
+        assert r.devices["dev-02"].state == "committed"
+        assert set(f.serving().values()) == {new_sha}
+
+
+def test_rollout_cli_create_status_list_pause_resume(tmp_path: Path, broker: Mosquitto) -> None:
+    runner = CliRunner()
+    with fleet(tmp_path, broker, 6) as f:
+        bundle, _ = model_bundle(f, "v2", probation={"seconds": 1, "min_windows": 5})
+        f.stop_service_now()  # the CLI alone: requests wait for the orchestrator
+        base = ["--store", f.store_url]
+        create = ["rollout", "create", str(bundle), "--artifacts", str(f.artifacts)]
+        res = runner.invoke(app, [*create, "--waves", "50%,100%", "--json", *base])
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        rid = doc["id"]
+        assert doc["state"] == "running"
+        assert [w["devices"] for w in doc["waves"]] == [3, 3]
+        res = runner.invoke(app, ["rollout", "list", "--json", *base])
+        assert [r["id"] for r in json.loads(res.stdout)] == [rid]
+        res = runner.invoke(app, ["rollout", "pause", rid, *base])
+        assert res.exit_code == 0, res.output
+        res = runner.invoke(app, ["rollout", "status", "nope", *base])
+        assert res.exit_code == 1
+        res = runner.invoke(app, [*create, "--waves", "50%,90%", *base])
+        assert res.exit_code == 2
+        assert "last wave must be 100%" in res.output
+        f.start_service()
+        r = f.wait_state(rid, {"paused"}, timeout=20)
+        time.sleep(1.0)
+        assert all(d.attempts == 0 for d in f.rollout(rid).devices.values()), "paused: no offer"
+        res = runner.invoke(app, ["rollout", "resume", rid, *base])
+        assert res.exit_code == 0
+        r = f.wait_state(rid, {"completed", "halted"}, timeout=60)
+        assert r.state == "completed", dump(r)
+        res = runner.invoke(app, ["rollout", "status", rid, *base])
+        assert res.exit_code == 0
+        assert "completed" in res.stdout
