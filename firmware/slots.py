@@ -341,7 +341,15 @@ class Slots:
     def locked(self) -> Iterator[None]:
         """Hold the slots' flock(2) lock (blocking) for a read-modify-write of the state."""
         self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        lock = self.root / ".lock"
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        except OSError as exc:
+            if exc.errno != errno.EROFS:
+                raise
+            # A read-only state dir: flock works on a read-only descriptor, and the launcher
+            # must still boot a good slot (only writes fail, each with its own error).
+            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -365,7 +373,8 @@ class Slots:
             if name.startswith((".staging-", ".trash-")):
                 shutil.rmtree(entry, ignore_errors=True)
             elif name.startswith(f".{STATE_FILE}.") and name.endswith(".tmp"):
-                entry.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    entry.unlink()
             else:
                 continue
             removed.append(entry)
