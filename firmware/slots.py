@@ -340,16 +340,19 @@ class Slots:
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """Hold the slots' flock(2) lock (blocking) for a read-modify-write of the state."""
-        self.root.mkdir(parents=True, exist_ok=True)
         lock = self.root / ".lock"
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            except OSError as exc:
+                if exc.errno != errno.EROFS:
+                    raise
+                # A read-only state dir: flock works on a read-only descriptor, and the
+                # launcher must still boot a good slot (only writes fail, each on its own).
+                fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            if exc.errno != errno.EROFS:
-                raise
-            # A read-only state dir: flock works on a read-only descriptor, and the launcher
-            # must still boot a good slot (only writes fail, each with its own error).
-            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+            raise StateFileError(f"{lock}: cannot open the lock: {exc.strerror}") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -421,7 +424,12 @@ class Slots:
                 )
             target: SlotName = other(state.active) if state.active is not None else "a"
             self.sweep()
-            staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.root))
+            try:
+                staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.root))
+            except OSError as exc:
+                raise StagingError(
+                    f"{self.root}: cannot create a staging directory: {exc.strerror}"
+                ) from exc
             try:
                 try:
                     with wheel.open("rb") as fh:
