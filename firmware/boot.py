@@ -151,11 +151,11 @@ def _log(line: str) -> None:
     print(f"edge-agent boot: {line}", file=sys.stderr, flush=True)
 
 
-def _boot(root: Path, now: float) -> tuple[BootDecision, Slots]:
+def _boot(root: Path, now: float) -> BootDecision:
     slots = Slots(root)
     if not root.is_dir():
         # A fresh device: nothing installed yet, and nothing to create for it.
-        return BootDecision(None, SlotState(), f"no {root}: the base install"), slots
+        return BootDecision(None, SlotState(), f"no {root}: the base install")
     with slots.locked():
         slots.sweep()
         try:
@@ -181,7 +181,7 @@ def _boot(root: Path, now: float) -> tuple[BootDecision, Slots]:
                     )
                 else:
                     decision = dataclasses.replace(decision, reason=f"{decision.reason} ({exc})")
-    return decision, slots
+    return decision
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     opts = parser.parse_args(own)
     root: Path = opts.slots
     try:
-        decision, _slots = _boot(root, time.time())
+        decision = _boot(root, time.time())
     except (StateFileError, OSError) as exc:
         # Could neither read nor rewrite state.json (read-only, I/O error): nothing about
         # the slots can be trusted or recorded, so run the base install and say so.

@@ -538,7 +538,7 @@ def hook(name):
     if name == step:
         os.kill(os.getpid(), signal.SIGKILL)
     if step == "slow" and name == "install:extracting":
-        time.sleep(0.02)
+        time.sleep(0.05)
 slots = Slots(Path(root), step_hook=hook)
 if op == "install":
     slots.install_wheel(Path(arg), version=version, sha256=sha)
@@ -592,6 +592,49 @@ def test_sigkill_at_each_install_step_leaves_the_old_version(
         assert state.b.status == "empty"
         # And the interrupted install can simply be done again.
         assert install(good_a, wheel, "0.2.0") == "b"
+
+
+def holds(slot_dir: Path, wheel: Path) -> bool:
+    """The directory holds exactly the wheel's files, byte for byte."""
+    with zipfile.ZipFile(wheel) as zf:
+        want = {i.filename: zf.read(i) for i in zf.infolist() if not i.is_dir()}
+    got = {str(p.relative_to(slot_dir)): p.read_bytes() for p in slot_dir.rglob("*") if p.is_file()}
+    return got == want
+
+
+@pytest.mark.parametrize("step", [*INSTALL_STEPS, STATE_STEP])
+def test_sigkill_while_replacing_the_previous_slot_never_leaves_it_vouched_for(
+    good_a: Slots, wheels: dict[str, Path], real_wheel: Path, tmp_path: Path, step: str
+) -> None:
+    """b active, a its previous (good, 0.1.1); the next build goes into a and is killed."""
+    install(good_a, wheels["new"], "0.2.0")
+    good_a.activate("b")
+    good_a.mark_good()
+    third = variant(real_wheel, tmp_path / "third.whl", version="0.3.0")
+    proc = child(good_a, "install", str(third), "0.3.0", sha256_of(third), step)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, err
+    state = good_a.load()
+    assert (state.active, state.b.status) == ("b", "good")
+    assert holds(good_a.slot_dir("b"), wheels["new"])
+    # Whatever state.json says of a is what a's directory holds: the old build while it is
+    # still the rollback target, the new one once recorded, nothing trusted in between.
+    a = state.a
+    if a.status == "good":
+        assert state.previous == "a"
+        assert holds(good_a.slot_dir("a"), wheels["old"])
+    elif a.status == "installed":
+        assert (state.previous, a.version) == (None, "0.3.0")
+        assert holds(good_a.slot_dir("a"), third)
+    else:
+        assert (a.status, state.previous) == ("empty", None)
+    expected = {
+        "install:extracting": "good",
+        "install:staged": "good",
+        STATE_STEP: "good",  # the first state write is the release of a: killed before it
+        "install:recorded": "installed",
+    }
+    assert a.status == expected.get(step, "empty")
 
 
 @pytest.mark.parametrize("step", [*ACTIVATE_STEPS, STATE_STEP])
