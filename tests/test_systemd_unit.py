@@ -5,6 +5,8 @@ from __future__ import annotations
 import configparser
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,12 @@ def config_path(exec_start: str) -> str:
     return argv[argv.index("--config") + 1]
 
 
+def agent_args(exec_start: str) -> list[str]:
+    """What the launcher passes on to edge-agent: everything after ``--``."""
+    argv = shlex.split(exec_start)
+    return argv[argv.index("--") + 1 :]
+
+
 @pytest.fixture(scope="module")
 def agent() -> configparser.ConfigParser:
     return load("edge-agent.service")
@@ -52,7 +60,7 @@ def test_agent_unit_is_a_notify_service_with_a_watchdog(agent: configparser.Conf
     assert s["RestartPreventExitStatus"] == "2"
     assert s["KillSignal"] == "SIGTERM"
     assert s["TimeoutStopSec"] == "10s"
-    assert s["ExecStart"].split()[:2] == ["/opt/edge-agent/bin/edge-agent", "run"]
+    assert agent_args(s["ExecStart"])[0] == "run"
     assert {"PYTHONUNBUFFERED=1", "PYTHONFAULTHANDLER=1"} <= words(s["Environment"])
     assert int(s["LimitNOFILE"]) >= 1024
 
@@ -134,3 +142,41 @@ def test_tsn_unit_runs_once_as_root_before_the_agent(tsn: configparser.ConfigPar
     # The agent must start even when the schedule cannot be installed.
     agent = load("edge-agent.service")["Unit"]
     assert "edge-agent-tsn.service" not in agent.get("Requires", "")
+
+
+def test_agent_starts_through_the_ab_slot_launcher(agent: configparser.ConfigParser) -> None:
+    s = agent["Service"]
+    argv = shlex.split(s["ExecStart"])
+    # The venv's interpreter runs the launcher (never a slot's copy of it), with -P so the
+    # working directory cannot shadow the slot's packages.
+    assert argv[:4] == ["/opt/edge-agent/bin/python", "-P", "-m", "firmware.boot"]
+    slots = Path(argv[argv.index("--slots") + 1])
+    # The slots live in the state directory: writable by the agent, kept across upgrades.
+    assert slots.parent == Path("/var/lib") / s["StateDirectory"]
+    assert str(slots.parent) in words(s["ReadWritePaths"])
+    # The launcher execs the agent: the main PID stays the one that sends READY and WATCHDOG.
+    assert s["Type"] == "notify"
+    assert s["NotifyAccess"] == "main"
+    # Crashes of a new build must come back to the launcher for the boot counter to count.
+    assert s["Restart"] == "on-failure"
+    assert agent["Unit"]["StartLimitIntervalSec"] == "0"
+
+
+def test_unit_launcher_line_runs_for_real(tmp_path: Path) -> None:
+    """The unit's launcher arguments, with only the paths swapped, start the agent's CLI."""
+    argv = shlex.split(load("edge-agent.service")["Service"]["ExecStart"])
+    argv[0] = sys.executable
+    argv[argv.index("--slots") + 1] = str(tmp_path / "slots")
+    argv[argv.index("--") + 1 :] = ["--help"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd="/", check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "check-config" in proc.stdout
+    assert "the base install" in proc.stderr
+
+
+def test_install_doc_describes_the_slots(agent: configparser.ConfigParser) -> None:
+    doc = INSTALL.read_text(encoding="utf-8")
+    argv = shlex.split(agent["Service"]["ExecStart"])
+    assert "Agent updates: A/B slots" in doc
+    assert argv[argv.index("--slots") + 1] in doc
+    assert "python -m firmware.boot" in doc or "-m firmware.boot" in doc
