@@ -27,7 +27,9 @@ from rich.console import Console
 from rich.table import Table
 
 from edge_agent import __version__
+from fleet.bundle_cli import bundle_app
 from fleet.errors import FleetError, IngestError
+from fleet.keys_cli import keys_app
 from fleet.pki_cli import broker_config_cmd, pki_app
 from fleet.store import DeviceInfo, Gap, Store, open_store
 
@@ -491,6 +493,8 @@ def _root() -> None:
 # Certificates and the broker's TLS config (fleet/pki_cli.py).
 app.add_typer(pki_app, name="pki")
 app.command("broker-config")(broker_config_cmd)
+app.add_typer(keys_app, name="keys")
+app.add_typer(bundle_app, name="bundle")
 
 
 def main() -> None:
