@@ -199,7 +199,8 @@ def export_root_cmd(
     try:
         data = keys.export_root(keys_dir, _now())
         if out is None:
-            typer.echo(data.decode(), nl=not data.endswith(b"\n"))
+            # The exact bytes (no newline added): ``> root.json`` must hash like the file.
+            typer.echo(data.decode(), nl=False)
             return
         keys.write_file(out, data, mode=0o644, exclusive=False)
     except FleetKeyError as exc:
