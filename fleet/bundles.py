@@ -28,6 +28,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ec
 
+import edge_agent
 from fleet.errors import BundleError
 from ota import build as ota_build
 from ota import keys as ota_keys
@@ -478,9 +479,7 @@ def inspect_bundle(
         first = types[0] if isinstance(types, list) and types else None
         device_type = first if isinstance(first, str) else "unknown"
     if agent_version is None:
-        from edge_agent import __version__  # noqa: PLC0415 - the agent of this release
-
-        agent_version = __version__
+        agent_version = edge_agent.__version__
     wanted = bf.signed.get("required_permissions")
     perms: frozenset[str] = frozenset()
     if isinstance(wanted, list):

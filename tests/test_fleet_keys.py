@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import stat
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -15,8 +15,8 @@ from bench.hot_swap import copy_with_new_sha
 from fleet import keys
 from fleet.cli import app
 from fleet.errors import FleetKeyError
+from ota import build, trust
 from ota import keys as ota_keys
-from ota import trust
 from ota.errors import SignatureInvalid
 from ota.store import ContentStore
 from ota.verify import Policy, VerifiedBundle, verify_bundle
@@ -222,6 +222,31 @@ def test_rotate_refuses_without_the_old_threshold(tmp_path: Path) -> None:
     assert "needs 2 of its root keys; only 1 here" in r.stderr
     assert gone.name in r.stderr
     assert (folder / "root.json").read_bytes() == v1
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_rotate_fails_closed_when_the_device_would_refuse_the_new_root(tmp_path: Path) -> None:
+    """The root key is here but expired in root.json: its signature would not count on a
+    device, so ``ota.trust.rotate`` refuses the successor and nothing is written."""
+    folder = tmp_path / "keys"
+    init(folder)
+    (root_path,) = key_files(folder, "root")
+    root_key = keys.load_key(root_path, None)
+    bundle_pub = keys.load_key(key_files(folder, "bundle")[0], None).public_key()
+    signed = build.root_signed(
+        version=1,
+        expires=now() + timedelta(days=30),
+        root_keys=[root_key.public_key()],
+        bundle_keys=[bundle_pub],
+        key_expires={ota_keys.keyid(root_key.public_key()): now() - timedelta(days=1)},
+    )
+    (folder / "root.json").write_bytes(build.sign_envelope(signed, [root_key]))
+    before = sorted(p.name for p in folder.iterdir())
+
+    r = fleet("keys", "rotate", "--dir", str(folder), "--add-bundle-key")
+    assert r.exit_code == 3
+    assert "would be refused by devices" in r.stderr, r.stderr
+    assert "expired" in r.stderr
     assert sorted(p.name for p in folder.iterdir()) == before
 
 
