@@ -221,8 +221,9 @@ def sign_cmd(
 
 
 def _print_report(r: dict[str, Any]) -> None:
+    # ``signed`` is shown even when it failed the schema: nothing in it is assumed.
     s = r["signed"]
-    compat = s.get("compat") or {}
+    compat = s.get("compat") if isinstance(s.get("compat"), dict) else {}
     typer.echo(f"bundle   {r['file']} ({r['bytes']} bytes)")
     typer.echo(
         f"id       {s.get('bundle_id')}  kind {s.get('kind')}  version {s.get('version')}  "
@@ -232,12 +233,17 @@ def _print_report(r: dict[str, Any]) -> None:
         f"for      device types {', '.join(map(str, compat.get('device_types') or []))}; "
         f"agent {compat.get('agent') or 'any'}; expires {s.get('expires')}"
     )
-    typer.echo(f"needs    {', '.join(map(str, s.get('required_permissions') or [])) or '-'}")
+    perms = s.get("required_permissions")
+    shown = ", ".join(map(str, perms)) if isinstance(perms, list) else ""
+    typer.echo(f"needs    {shown or '-'}")
     typer.echo(f"probation {json.dumps(s.get('probation'), sort_keys=True)}")
     typer.echo(f"manifest sha256 {r['manifest_sha256']}")
     table = Table("payload", "bytes", "sha256", "carried as")
-    for p in s.get("payloads") or []:
-        patch = p.get("patch") if isinstance(p, dict) else None
+    payloads = s.get("payloads") if isinstance(s.get("payloads"), list) else []
+    for p in payloads:
+        if not isinstance(p, dict):
+            continue
+        patch = p.get("patch")
         how = (
             f"patch of {patch.get('length')} B from {str(p.get('delta_from'))[:12]}"
             if isinstance(patch, dict)
