@@ -28,7 +28,9 @@ from rich.table import Table
 
 from edge_agent import __version__
 from fleet.artifacts_cli import app as artifacts_app
+from fleet.bundle_cli import bundle_app
 from fleet.errors import FleetError, IngestError
+from fleet.keys_cli import keys_app
 from fleet.pki_cli import broker_config_cmd, pki_app
 from fleet.rollout_cli import label as rollout_label
 from fleet.rollout_cli import rollout_app
@@ -542,6 +544,8 @@ app.add_typer(rollout_app, name="rollout")
 app.add_typer(artifacts_app, name="artifacts")
 devices_app.command("label")(rollout_label)
 app.command("broker-config")(broker_config_cmd)
+app.add_typer(keys_app, name="keys")
+app.add_typer(bundle_app, name="bundle")
 
 
 def main() -> None:

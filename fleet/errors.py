@@ -6,6 +6,8 @@
      ├── FleetStoreError         the store cannot be opened, migrated or written
      │    └── SchemaTooNew       the database was migrated by newer code than this
      ├── PkiError                a CA or certificate file is missing, foreign or refused
+     ├── FleetKeyError           a signing key or root.json is missing, unreadable or refused
+     ├── BundleError             a bundle cannot be built, read, signed or inspected
      ├── IngestError             the ingest service cannot run (bad broker, bad options)
      ├── MessageRefused          one uplink message quarantined (bad topic, schema, device)
      └── ArtifactError           the artifact server cannot bind, read its folder or publish
@@ -25,6 +27,26 @@ class FleetStoreError(FleetError):
 class PkiError(FleetError):
     """A CA or certificate operation failed: a missing, unreadable or foreign file, a bad name,
     a wrong passphrase, or a refusal to overwrite. The message names the file and the fault."""
+
+
+class FleetKeyError(FleetError):
+    """A signing-key or trust-root operation failed: a missing or unreadable key, a wrong
+    passphrase, a refusal to overwrite, a threshold that cannot be met, or a new root that
+    devices would refuse. ``missing`` is true when a file or folder is simply not there."""
+
+    def __init__(self, message: str, *, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+class BundleError(FleetError):
+    """A bundle could not be built, read, signed or inspected: a bad source (model folder,
+    config, wheel), a malformed or damaged bundle, or a key the root does not trust.
+    ``missing`` is true when a file is simply not there."""
+
+    def __init__(self, message: str, *, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing
 
 
 class SchemaTooNew(FleetStoreError):
