@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+#: "Restart me": an OTA update needs a new process (systemd's Restart=on-failure does it).
+EXIT_RESTART = 3
+
 app = typer.Typer(
     name="edge-agent",
     help="EdgeFleet edge agent: field-bus drivers, perception and (later) reasoning on a gateway.",
@@ -181,6 +184,11 @@ def run(
         raise typer.Exit(1) from None
     if status_json:
         typer.echo(json.dumps(status, indent=2, sort_keys=True))
+    if status.get("restart_requested"):
+        # systemd (Restart=on-failure) starts us again: the A/B launcher then runs the
+        # slot the OTA update pointed at.
+        typer.echo(f"edge-agent: restarting: {status['restart_requested']}", err=True)
+        raise typer.Exit(EXIT_RESTART)
 
 
 async def _run(

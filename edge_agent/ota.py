@@ -36,8 +36,11 @@ from edge_agent.config import parse_config
 from edge_agent.errors import AgentError, ConfigError, ReasoningError
 from edge_agent.ota_config import OtaSection
 from edge_agent.probe import parse_probe
+from firmware.boot import ENV_SLOT, parse_slot_env
+from firmware.errors import RollbackUnavailable
+from firmware.slots import Slots
 from ota.errors import ActivationError, StorageError
-from ota.machine import Installed, Journal
+from ota.machine import Installed, Journal, recover
 from ota.probation import Baseline, Observation
 from ota.store import ContentStore
 from ota.updater import Outcome, Updater
@@ -100,7 +103,7 @@ class AgentOta:
         #: Models replaced by a swap, by sha: a rollback swaps back without reloading.
         self._retired: dict[str, Scorer] = {}
         self._pending: list[tuple[Journal, str, dict[str, Any]]] = []
-        self._task: asyncio.Task[Outcome] | None = None
+        self._task: asyncio.Task[Outcome | None] | None = None
         self.transitions = 0
         #: The sha of the model that came with the image, once known (see Agent).
         self.factory_sha = ""
@@ -138,12 +141,22 @@ class AgentOta:
             return None
 
     async def start(self) -> None:
-        """Finish or undo an update a crash interrupted (before any window is scored)."""
+        """Finish or undo an update a crash interrupted (before any window is scored).
+
+        The probation of a new agent build continues in the background: it needs the
+        pipeline running to see windows scored.
+        """
         if self.updater.warning:
             self._pending.append((self.updater.journal, self.updater.warning, {"code": "journal"}))
-        outcome = await self.updater.recover(running_agent_version=__version__)
-        if outcome is not None:
-            log.warning("ota: recovery: %s (%s)", outcome.result, outcome.reason)
+        running = parse_slot_env(os.environ.get(ENV_SLOT))[1] or __version__
+        action, _ = recover(self.updater.journal, running_agent_version=running)
+        if action == "continue_probation":
+            coro = self.updater.recover(running_agent_version=running)
+            self._task = asyncio.get_running_loop().create_task(coro, name="ota:probation")
+        else:
+            outcome = await self.updater.recover(running_agent_version=running)
+            if outcome is not None:
+                log.warning("ota: recovery: %s (%s)", outcome.result, outcome.reason)
         inst = self.updater.journal.active.get("config")
         if inst is not None:
             try:
@@ -181,11 +194,43 @@ class AgentOta:
             await self._swap_config(await self._bundle_config(target, store))
             self._target_sha = self.agent._model_sha256()
             return True
-        raise ActivationError(f"{target.kind} bundles are not supported by this agent yet")
+        if target.kind == "agent":
+            await asyncio.to_thread(self._install_agent, target, store)
+            # The new build runs after a restart; its probation continues there.
+            self.agent.request_restart(f"agent {target.version} installed")
+            return False
+        raise ActivationError(f"unknown bundle kind {target.kind!r}")
+
+    # -- agent builds: A/B slots ------------------------------------------------------------
+
+    def slots(self) -> Slots:
+        where = self.section.slots_dir
+        root = Path(where) if where else self.agent.config.state_dir / "slots"
+        if not root.is_absolute():
+            root = self.agent.config.path.parent / root
+        return Slots(root)
+
+    def _install_agent(self, target: Installed, store: ContentStore) -> None:
+        wheel = next(n for n in target.payloads if n.endswith(".whl"))
+        sha = target.payloads[wheel]
+        tmp = self.dir / "incoming" / wheel
+        store.copy_to(sha, tmp)
+        try:
+            slots = self.slots()
+            slot = slots.install_wheel(tmp, version=target.version, sha256=sha)
+            slots.activate(slot)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    async def commit(self, target: Installed) -> None:
+        if target.kind == "agent":
+            await asyncio.to_thread(self.slots().mark_good)
 
     async def restore(self, installed: Installed | None, store: ContentStore) -> bool:
         up = self.updater.journal.update
         kind = installed.kind if installed is not None else (up.kind if up else "model")
+        if kind == "agent":
+            return await asyncio.to_thread(self._restore_agent, installed, up.reason if up else "")
         if kind == "config":
             if installed is None:
                 await self._swap_config(self._factory_config)
@@ -214,6 +259,26 @@ class AgentOta:
         except ReasoningError as exc:
             raise ActivationError(f"cannot bring back the previous model: {exc}") from None
         return True
+
+    def _restore_agent(self, installed: Installed | None, reason: str) -> bool:
+        """Point the slots back at ``installed`` (None: the base install). True when that
+        is already what runs (the launcher fell back by itself), False when a restart is
+        needed to get there."""
+        slots = self.slots()
+        running = os.environ.get(ENV_SLOT, "base")
+        want = "base" if installed is None else installed.version
+        if running.partition(":")[2] == want or (want == "base" and running == "base"):
+            return True
+        why = reason or "probation failed"
+        if installed is None:
+            slots.fall_back_to_base(why)
+        else:
+            try:
+                slots.rollback(why)
+            except RollbackUnavailable as exc:
+                raise ActivationError(str(exc)) from None
+        self.agent.request_restart(f"rolling back to {want}")
+        return False
 
     async def _bundle_config(self, inst: Installed, store: ContentStore) -> AgentConfig:
         data = await asyncio.to_thread(store.read, inst.payloads["agent.toml"], max_bytes=1 << 20)

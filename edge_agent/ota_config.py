@@ -22,3 +22,5 @@ class OtaSection(StrictModel):
     )
     max_bundle_mb: Annotated[int, Field(ge=1, le=4096)] = 512
     stall_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    #: A/B slots for agent builds (the launcher's --slots); default: state_dir/slots.
+    slots_dir: Annotated[str, Field(min_length=1)] | None = None

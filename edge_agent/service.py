@@ -212,6 +212,10 @@ class Agent:
         self._budget_ms = config.reasoning.budget_ms
         self._api: HealthApi | None = None
         self.last_swap_ns = 0
+        #: Set when OTA needs this process replaced (a new agent build, or its rollback):
+        #: the agent stops and the CLI exits with EXIT_RESTART for systemd to restart it.
+        self.restart_requested: str | None = None
+        self._stop: asyncio.Event | None = None
         self.loop_name = "-"
         self.uplink: Uplink | None = None
         self.telemetry: TelemetryAggregator | None = None
@@ -281,8 +285,17 @@ class Agent:
         """The health API's bound port once it runs (useful with ``port = 0``)."""
         return self._api.port if self._api is not None else None
 
+    def request_restart(self, why: str) -> None:
+        """Stop as on SIGTERM, then have the CLI exit with :data:`EXIT_RESTART`."""
+        self.restart_requested = why
+        log.warning("restart requested: %s", why)
+        if self._stop is not None:
+            # A second for the OTA status to reach the outbox and the broker first.
+            asyncio.get_running_loop().call_later(1.0, self._stop.set)
+
     async def run(self, stop: asyncio.Event) -> RunReport:
         """Run until ``stop`` is set; then stop sources and gates, drain and return."""
+        self._stop = stop
         self.loop_name = type(asyncio.get_running_loop()).__module__.split(".")[0]
         # A thread that holds the GIL (the CAN readers, the memory writer) keeps the loop
         # waiting up to the switch interval before it must let go: 5 ms by default, half the
@@ -797,6 +810,7 @@ class Agent:
             "gates": self.scheduler.snapshot(),
             "uplink": self.uplink.stats() if self.uplink is not None else {"enabled": False},
             "ota": self.ota.status() if self.ota is not None else {"enabled": False},
+            "restart_requested": self.restart_requested,
             "latency_us": latency,
             "sources": {
                 s.name: {

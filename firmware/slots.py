@@ -583,6 +583,27 @@ class Slots:
             self.save(new)
             return new
 
+    def fall_back_to_base(self, reason: str, *, now: float | None = None) -> SlotState:
+        """The active build failed and came from the base install: mark it ``bad`` and let
+        the base install run again (the launcher runs it when no slot is active)."""
+        t = time.time() if now is None else now
+        with self.locked():
+            state = self.load()
+            cur = state.active
+            if cur is None:
+                return state
+            failed = state.slot(cur)
+            bad = state.with_slot(cur, dataclasses.replace(failed, status="bad"))
+            new = dataclasses.replace(
+                bad,
+                active=None,
+                previous=None,
+                boot_count=0,
+                last_event=_base_event(reason, t, cur, failed.version),
+            )
+            self.save(new)
+            return new
+
     def rollback(self, reason: str, *, now: float | None = None) -> SlotState:
         """Make ``previous`` active again and mark the failed slot ``bad``.
 
@@ -629,6 +650,10 @@ class Slots:
                 f"staying on it, marked bad",
                 reason=event.reason,
             )
+
+
+def _base_event(reason: str, t: float, cur: SlotName, version: str | None) -> Event:
+    return Event("fell_back_to_base", reason, t, cur, version, "base")
 
 
 def why_unusable(

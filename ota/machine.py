@@ -114,6 +114,8 @@ class Update:
     started_ns: int = 0
     step_ns: int = 0
     probation_s: int = 0
+    #: the bundle's probation limits (ota.manifest.Probation fields), for a restart
+    probation: dict[str, int] = field(default_factory=dict)
     reason: str = ""
     #: agent builds: the boot that activated it (probation runs in the next boot)
     boot_id: str = ""
@@ -133,6 +135,7 @@ class Update:
             "started_ns": self.started_ns,
             "step_ns": self.step_ns,
             "probation_s": self.probation_s,
+            "probation": dict(self.probation),
             "reason": self.reason,
             "boot_id": self.boot_id,
             "baseline_p50_us": self.baseline_p50_us,
@@ -152,6 +155,7 @@ class Update:
             started_ns=int(d.get("started_ns", 0)),
             step_ns=int(d.get("step_ns", 0)),
             probation_s=int(d.get("probation_s", 0)),
+            probation={str(k): int(v) for k, v in dict(d.get("probation") or {}).items()},
             reason=str(d.get("reason", "")),
             boot_id=str(d.get("boot_id", "")),
             baseline_p50_us=_opt_float(d.get("baseline_p50_us")),

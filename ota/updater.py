@@ -45,6 +45,11 @@ class Activator(Protocol):
         True when done now; False when a restart is needed to finish."""
         ...
 
+    async def commit(self, target: Installed) -> None:
+        """The probation passed: make ``target`` permanent where the activator keeps its own
+        state (an agent build's slot becomes ``good``)."""
+        ...
+
     def baseline(self) -> Baseline: ...
 
     def begin_observing(self) -> None: ...
@@ -169,6 +174,9 @@ class Updater:
             self._go("rejected", reason=why, detail={"code": "interrupted"})
             return Outcome("failed", why, "interrupted")
         if action == "finish_commit":
+            up = self.journal.update
+            if up is not None and up.target is not None:
+                await self.activator.commit(up.target)
             self._go("committed", reason="commit finished after a restart")
             return Outcome("committed", "commit finished after a restart")
         if action == "continue_probation":
@@ -182,8 +190,10 @@ class Updater:
 
     def _limits(self) -> Probation:
         up = self.journal.update
-        seconds = up.probation_s if up is not None else 3
-        return Probation(seconds=seconds)
+        if up is not None and up.probation:
+            known = {f for f in Probation.__struct_fields__}
+            return Probation(**{k: v for k, v in up.probation.items() if k in known})
+        return Probation(seconds=up.probation_s if up is not None else 3)
 
     # -- updates ----------------------------------------------------------------------------
 
@@ -237,7 +247,11 @@ class Updater:
         target = _installed(vb)
         limits = vb.signed.probation
         assert self.journal.update is not None  # set by offer/install, under the lock
-        up = replace(self.journal.update, probation_s=limits.seconds)
+        up = replace(
+            self.journal.update,
+            probation_s=limits.seconds,
+            probation={f: getattr(limits, f) for f in Probation.__struct_fields__},
+        )
         self._go("verified", update=up, target=target, detail={"code": "verified"})
         return await self._activate(target, limits)
 
@@ -314,6 +328,9 @@ class Updater:
             return await self._rollback(why)
         # The fleet's regression check compares these with the device's own baseline.
         self._go("passed", reason=why, detail=figures)
+        up = self.journal.update
+        if up is not None and up.target is not None:
+            await self.activator.commit(up.target)
         self._go("committed", reason=why, detail=figures)
         await asyncio.to_thread(self.store.gc, self.journal.payloads_in_use())
         return Outcome("committed", why)
