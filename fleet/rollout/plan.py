@@ -102,6 +102,12 @@ def _order_key(rollout_id: str, c: Candidate) -> tuple[int, str]:
     return tier, h
 
 
+def _ceil_share(pct: float, n: int) -> int:
+    """``ceil(pct * n)`` for a percentage written in decimal: ``0.07 * 100`` is
+    ``7.000000000000001`` in floats, which ``math.ceil`` turns into 8 devices, not 7."""
+    return math.ceil(round(pct * n, 9))
+
+
 def plan(
     rollout_id: str,
     candidates: Iterable[Candidate],
@@ -120,7 +126,7 @@ def plan(
     taken = 0
     for k, pct in enumerate(waves):
         last = k == len(waves) - 1
-        target = n if last else min(max(math.ceil(pct * n), taken + 1), non_critical)
+        target = n if last else min(max(_ceil_share(pct, n), taken + 1), non_critical)
         if target > taken:
             out.append([c.device for c in chosen[taken:target]])
             taken = target
