@@ -42,17 +42,20 @@ def parse_selector(text: str) -> dict[str, tuple[str, ...]]:
     if not text.strip():
         return out
     for i, part in enumerate(text.split(",")):
-        key, eq, value = part.strip().partition("=")
+        where = f"--select item {i + 1} {part.strip()!r}"
+        key, eq, value = (s.strip() for s in part.partition("="))
         if not eq or key not in SELECTOR_KEYS:
             raise PlanError(
-                f"--select item {i + 1} {part.strip()!r}: expected KEY=VALUE with KEY one of "
-                f"{', '.join(SELECTOR_KEYS)}"
+                f"{where}: expected KEY=VALUE with KEY one of {', '.join(SELECTOR_KEYS)}"
             )
         values = tuple(v.strip() for v in value.split("|"))
-        if not all(_NAME.match(v) for v in values):
-            raise PlanError(f"--select {key}: bad value {value!r}")
+        bad = [v for v in values if not _NAME.match(v)]
+        if bad:
+            raise PlanError(
+                f"{where}: {key} value {bad[0]!r} is not a name (1-128 of A-Z a-z 0-9 _ . : - *)"
+            )
         if key in out:
-            raise PlanError(f"--select: {key} given twice")
+            raise PlanError(f"{where}: {key} given twice")
         out[key] = values
     return out
 
