@@ -100,9 +100,8 @@ def parse_fraction(text: str, *, what: str) -> float:
 
 
 def _order_key(rollout_id: str, c: Candidate) -> tuple[int, str]:
-    tier = TIERS.index(c.tier) if c.tier in TIERS else 1
     h = hashlib.sha256(f"{rollout_id}/{c.device}".encode()).hexdigest()
-    return tier, h
+    return TIERS.index(c.tier), h
 
 
 def _ceil_share(pct: float, n: int) -> int:
@@ -117,10 +116,21 @@ def plan(
     selector: Mapping[str, Sequence[str]],
     waves: Sequence[float],
 ) -> list[list[str]]:
-    """Device names per wave (each device in exactly one wave; empty waves are dropped)."""
-    chosen = sorted(
-        (c for c in candidates if _matches(c, selector)), key=lambda c: _order_key(rollout_id, c)
-    )
+    """Device names per wave (each device in exactly one wave; empty waves are dropped).
+
+    Raises :class:`PlanError` for a selected device with a tier outside :data:`TIERS` (a
+    mistyped ``Critical`` must not ride in the first wave as a normal device) or a device
+    name given twice.
+    """
+    selected = [c for c in candidates if _matches(c, selector)]
+    seen: set[str] = set()
+    for c in selected:
+        if c.tier not in TIERS:
+            raise PlanError(f"device {c.device}: tier {c.tier!r} is not one of {', '.join(TIERS)}")
+        if c.device in seen:
+            raise PlanError(f"device {c.device}: listed twice among the candidates")
+        seen.add(c.device)
+    chosen = sorted(selected, key=lambda c: _order_key(rollout_id, c))
     n = len(chosen)
     if n == 0:
         return []
