@@ -258,6 +258,13 @@ def _regressed(p: Params, detail: dict[str, Any]) -> bool:
     )
 
 
+def _share(fraction: float, n: int) -> float:
+    """``fraction * n`` for a fraction written as a decimal percentage: in floats
+    ``0.55 * 100`` is ``55.00000000000001`` (55 of 100 would miss a 55 % gate) and
+    ``0.29 * 100`` is ``28.999999999999996`` (29 of 100 would pass a 29 % threshold)."""
+    return round(fraction * n, 9)
+
+
 def _offer(r: Rollout, names: list[str], now_ns: int) -> tuple[Rollout, list[Command]]:
     devices = dict(r.devices)
     cmds: list[Command] = []
@@ -296,7 +303,7 @@ def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
     if regressed:
         names = ", ".join(sorted(d.device for d in regressed)[:5])
         why = f"regression check tripped on {len(regressed)} device(s) ({names})"
-    elif len(finished) >= p.min_devices and len(failed) > p.max_failure * len(finished):
+    elif len(finished) >= p.min_devices and len(failed) > _share(p.max_failure, len(finished)):
         first = min(failed, key=lambda d: d.device)
         why = (
             f"{len(failed)} of {len(finished)} finished devices failed "
@@ -326,7 +333,7 @@ def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
             return r, cmds
         answered = [d for d in wave if d.state != "timed_out"]
         ok = sum(d.state == "committed" for d in answered)
-        if not answered or ok < p.success_gate * len(answered):
+        if not answered or ok < _share(p.success_gate, len(answered)):
             why = (
                 f"wave {r.wave + 1}: {ok} of {len(answered)} answering devices committed "
                 f"(gate {p.success_gate:.0%}; {len(wave) - len(answered)} timed out)"
