@@ -70,6 +70,8 @@ class DeviceRun:
     reason: str = ""
     code: str = ""
     regressed: bool = False
+    #: Rollback was sent because the device regressed (sent once, not on every tick).
+    rollback_sent: bool = False
 
 
 @dataclass(frozen=True)
@@ -276,9 +278,16 @@ def _offer(r: Rollout, names: list[str], now_ns: int) -> tuple[Rollout, list[Com
 
 
 def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
-    """Time passes: timeouts, retries, the halting rules and the next wave."""
-    if r.state in ("halted", "aborted", "completed"):
+    """Time passes: timeouts, retries, the halting rules and the next wave.
+
+    A halted rollout offers nothing more, but a device of it that was still in flight at the
+    halt and then commits a regression is still told to roll back: keep ticking it until no
+    device is in flight.
+    """
+    if r.state in ("aborted", "completed"):
         return r, []
+    if r.state == "halted":
+        return _roll_back_regressed(r, now_ns)
     cmds: list[Command] = []
     p = r.params
     # Timeouts: an offer that got no final answer in time does not hold its wave.
@@ -310,8 +319,9 @@ def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
             f"(more than {p.max_failure:.0%}); {first.device}: {first.reason}"
         )
     if why:
-        cmds += [Command("rollback", d.device) for d in regressed]
-        return _log(r, now_ns, f"halted: {why}", state="halted", reason=why), cmds
+        r = _log(r, now_ns, f"halted: {why}", state="halted", reason=why)
+        r, more = _roll_back_regressed(r, now_ns, log=False)
+        return r, cmds + more
 
     if r.state == "paused":
         return r, cmds
@@ -345,6 +355,26 @@ def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
     nxt = r.wave + 1
     r, more = _offer(replace(r, wave=nxt), list(r.waves[nxt]), now_ns)
     return _log(r, now_ns, f"wave {nxt + 1} started: {len(r.waves[nxt])} device(s)"), cmds + more
+
+
+def _roll_back_regressed(
+    r: Rollout, now_ns: int, *, log: bool = True
+) -> tuple[Rollout, list[Command]]:
+    """Rollback to every committed device that regressed and was not told yet."""
+    due = sorted(
+        name
+        for name, d in r.devices.items()
+        if d.state == "committed" and d.regressed and not d.rollback_sent
+    )
+    if not due:
+        return r, []
+    devices = dict(r.devices)
+    for name in due:
+        devices[name] = replace(devices[name], rollback_sent=True)
+    r = replace(r, devices=devices)
+    if log:
+        r = _log(r, now_ns, f"rollback sent to {len(due)} regressed device(s): {', '.join(due)}")
+    return r, [Command("rollback", name) for name in due]
 
 
 def pause(r: Rollout, now_ns: int) -> Rollout:
