@@ -19,7 +19,8 @@ broker or a sleep:
 - **timeouts** — a device that has not finished ``device_timeout_s`` after its offer is
   ``timed_out``: it does not block its wave (a late report still counts);
 - **duplicates** — a report is applied only if its ``(boot_id, seq)`` is newer than the last
-  one applied for that device; replays and duplicates change nothing;
+  one applied for that device (a new boot id starts a new order; a report from a boot the
+  device has left is old); replays and duplicates change nothing;
 - **pause / resume / abort** — pause holds new offers and retries; abort also sends
   rollback to every device still in flight.
 """
@@ -72,6 +73,8 @@ class DeviceRun:
     regressed: bool = False
     #: Rollback was sent because the device regressed (sent once, not on every tick).
     rollback_sent: bool = False
+    #: Boot ids this device reported under before ``boot_id`` (newest last, bounded).
+    old_boots: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,10 @@ class Rollout:
             length=int(d["length"]),
             params=Params(**params),
             waves=tuple(tuple(w) for w in d["waves"]),
-            devices={k: DeviceRun(**v) for k, v in d["devices"].items()},
+            devices={
+                k: DeviceRun(**{**v, "old_boots": tuple(v.get("old_boots", ()))})
+                for k, v in d["devices"].items()
+            },
             state=d["state"],
             wave=int(d["wave"]),
             created_ns=int(d["created_ns"]),
@@ -138,6 +144,9 @@ class Rollout:
 
 
 MAX_HISTORY = 200
+#: Boot ids remembered per device to refuse replays from earlier boots; a device that
+#: reboots more often than this during one rollout is not worth a longer memory.
+MAX_OLD_BOOTS = 8
 
 
 def _log(r: Rollout, now_ns: int, text: str, **changes: Any) -> Rollout:
@@ -193,8 +202,13 @@ def on_status(
     d = r.devices.get(device)
     if d is None or bundle_id != r.bundle_id or d.state in ("waiting", "aborted"):
         return r
-    if (boot_id, seq) == (d.boot_id, d.seq) or (boot_id == d.boot_id and seq <= d.seq):
-        return r  # a duplicate or a replay of something already applied
+    if (boot_id == d.boot_id and seq <= d.seq) or boot_id in d.old_boots:
+        # A duplicate or a replay of something already applied, or a redelivery from a
+        # boot before the one the device reports from now (the outbox sends the old boot's
+        # rows first, so anything of it arriving later is older than what we have).
+        return r
+    if boot_id != d.boot_id and d.boot_id:
+        d = replace(d, old_boots=(*d.old_boots, d.boot_id)[-MAX_OLD_BOOTS:])
     d = replace(d, boot_id=boot_id, seq=seq)
     code = str(detail.get("code", ""))
     new: DeviceState
