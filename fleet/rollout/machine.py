@@ -200,8 +200,10 @@ def on_status(
 ) -> Rollout:
     """Apply one ``ota/status`` report; anything stale, foreign or duplicated is ignored."""
     d = r.devices.get(device)
-    if d is None or bundle_id != r.bundle_id or d.state in ("waiting", "aborted"):
+    if d is None or bundle_id != r.bundle_id or d.state == "aborted":
         return r
+    if d.state == "waiting" and d.attempts == 0:
+        return r  # not offered yet: whatever it says is not about this rollout's offer
     if (boot_id == d.boot_id and seq <= d.seq) or boot_id in d.old_boots:
         # A duplicate or a replay of something already applied, or a redelivery from a
         # boot before the one the device reports from now (the outbox sends the old boot's
@@ -210,6 +212,12 @@ def on_status(
     if boot_id != d.boot_id and d.boot_id:
         d = replace(d, old_boots=(*d.old_boots, d.boot_id)[-MAX_OLD_BOOTS:])
     d = replace(d, boot_id=boot_id, seq=seq)
+    if d.state == "waiting":
+        # A retry is due: the attempt before is judged already. The report still moves the
+        # order on, so a redelivery of it after the next offer is known as old.
+        devices = dict(r.devices)
+        devices[device] = d
+        return replace(r, devices=devices, updated_ns=now_ns)
     code = str(detail.get("code", ""))
     new: DeviceState
     if state in IN_PROGRESS:
