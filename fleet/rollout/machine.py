@@ -302,13 +302,13 @@ def _offer(r: Rollout, names: list[str], now_ns: int) -> tuple[Rollout, list[Com
 def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
     """Time passes: timeouts, retries, the halting rules and the next wave.
 
-    A halted rollout offers nothing more, but a device of it that was still in flight at the
-    halt and then commits a regression is still told to roll back: keep ticking it until no
-    device is in flight.
+    A halted or completed rollout offers nothing more, but a device of it that was still in
+    flight (or timed out) and then commits a regression is still told to roll back: keep
+    ticking it while devices may report late.
     """
-    if r.state in ("aborted", "completed"):
+    if r.state == "aborted":
         return r, []
-    if r.state == "halted":
+    if r.state in ("halted", "completed"):
         return _roll_back_regressed(r, now_ns)
     cmds: list[Command] = []
     p = r.params
