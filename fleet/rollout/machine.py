@@ -166,9 +166,17 @@ def create(
     params: Params,
     now_ns: int,
 ) -> Rollout:
-    devices = {
-        name: DeviceRun(device=name, wave=k) for k, names in enumerate(waves) for name in names
-    }
+    """A running rollout of ``waves`` (as :func:`fleet.rollout.plan.plan` makes them); the
+    first :func:`tick` offers wave 1. Raises ValueError for a device in two waves."""
+    devices: dict[str, DeviceRun] = {}
+    for k, names in enumerate(waves):
+        for name in names:
+            if name in devices:
+                raise ValueError(
+                    f"rollout {rollout_id}: device {name} is in waves "
+                    f"{devices[name].wave + 1} and {k + 1}"
+                )
+            devices[name] = DeviceRun(device=name, wave=k)
     r = Rollout(
         id=rollout_id,
         bundle_id=bundle_id,
