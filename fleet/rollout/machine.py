@@ -310,13 +310,12 @@ def _offer(r: Rollout, names: list[str], now_ns: int) -> tuple[Rollout, list[Com
 def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
     """Time passes: timeouts, retries, the halting rules and the next wave.
 
-    A halted or completed rollout offers nothing more, but a device of it that was still in
-    flight (or timed out) and then commits a regression is still told to roll back: keep
-    ticking it while devices may report late.
+    A halted, completed or aborted rollout offers nothing more, but a device of it that
+    commits a regression late (it was in flight or timed out, or the abort came before the
+    tick that would have caught it) is still told to roll back: keep ticking it while
+    devices may report late.
     """
-    if r.state == "aborted":
-        return r, []
-    if r.state in ("halted", "completed"):
+    if r.state in ("halted", "completed", "aborted"):
         return _roll_back_regressed(r, now_ns)
     cmds: list[Command] = []
     p = r.params
