@@ -7,12 +7,13 @@ broker or a sleep:
 - **waves** — devices of wave ``k`` get their offer when wave ``k-1`` passed the success
   gate: every device of it finished (committed, failed, rolled back or timed out) and at
   least ``success_gate`` of those that answered committed;
-- **halting** — the rollout halts by itself, sending nothing more, when the failures so far
+- **halting** — the rollout halts by itself, offering nothing more, when the failures so far
   pass ``max_failure`` of the finished devices (once at least ``min_devices`` finished), when
   a wave misses its gate, or when the **regression check** trips: a committed device whose
   reasoning P99 grew more than ``p99_regression_pct`` or whose memory grew more than
   ``memory_regression_pct`` against its own figures before the update (the device reports
-  both). A regressed device is told to roll back;
+  both). A regressed device is told to roll back, once, also when its commit comes after
+  the rollout halted, completed or was aborted;
 - **retries** — a transient failure (fetch, busy, interrupted) is offered again after an
   exponential backoff, up to ``max_attempts``; a permanent one (bad signature,
   incompatible, not permitted, downgrade) never;
