@@ -7,19 +7,21 @@ broker or a sleep:
 - **waves** — devices of wave ``k`` get their offer when wave ``k-1`` passed the success
   gate: every device of it finished (committed, failed, rolled back or timed out) and at
   least ``success_gate`` of those that answered committed;
-- **halting** — the rollout halts by itself, sending nothing more, when the failures so far
+- **halting** — the rollout halts by itself, offering nothing more, when the failures so far
   pass ``max_failure`` of the finished devices (once at least ``min_devices`` finished), when
   a wave misses its gate, or when the **regression check** trips: a committed device whose
   reasoning P99 grew more than ``p99_regression_pct`` or whose memory grew more than
   ``memory_regression_pct`` against its own figures before the update (the device reports
-  both). A regressed device is told to roll back;
+  both). A regressed device is told to roll back, once, also when its commit comes after
+  the rollout halted, completed or was aborted;
 - **retries** — a transient failure (fetch, busy, interrupted) is offered again after an
   exponential backoff, up to ``max_attempts``; a permanent one (bad signature,
   incompatible, not permitted, downgrade) never;
 - **timeouts** — a device that has not finished ``device_timeout_s`` after its offer is
   ``timed_out``: it does not block its wave (a late report still counts);
 - **duplicates** — a report is applied only if its ``(boot_id, seq)`` is newer than the last
-  one applied for that device; replays and duplicates change nothing;
+  one applied for that device (a new boot id starts a new order; a report from a boot the
+  device has left is old); replays and duplicates change nothing;
 - **pause / resume / abort** — pause holds new offers and retries; abort also sends
   rollback to every device still in flight.
 """
@@ -70,6 +72,10 @@ class DeviceRun:
     reason: str = ""
     code: str = ""
     regressed: bool = False
+    #: Rollback was sent because the device regressed (sent once, not on every tick).
+    rollback_sent: bool = False
+    #: Boot ids this device reported under before ``boot_id`` (newest last, bounded).
+    old_boots: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,10 @@ class Rollout:
             length=int(d["length"]),
             params=Params(**params),
             waves=tuple(tuple(w) for w in d["waves"]),
-            devices={k: DeviceRun(**v) for k, v in d["devices"].items()},
+            devices={
+                k: DeviceRun(**{**v, "old_boots": tuple(v.get("old_boots", ()))})
+                for k, v in d["devices"].items()
+            },
             state=d["state"],
             wave=int(d["wave"]),
             created_ns=int(d["created_ns"]),
@@ -136,6 +145,9 @@ class Rollout:
 
 
 MAX_HISTORY = 200
+#: Boot ids remembered per device to refuse replays from earlier boots; a device that
+#: reboots more often than this during one rollout is not worth a longer memory.
+MAX_OLD_BOOTS = 8
 
 
 def _log(r: Rollout, now_ns: int, text: str, **changes: Any) -> Rollout:
@@ -155,9 +167,17 @@ def create(
     params: Params,
     now_ns: int,
 ) -> Rollout:
-    devices = {
-        name: DeviceRun(device=name, wave=k) for k, names in enumerate(waves) for name in names
-    }
+    """A running rollout of ``waves`` (as :func:`fleet.rollout.plan.plan` makes them); the
+    first :func:`tick` offers wave 1. Raises ValueError for a device in two waves."""
+    devices: dict[str, DeviceRun] = {}
+    for k, names in enumerate(waves):
+        for name in names:
+            if name in devices:
+                raise ValueError(
+                    f"rollout {rollout_id}: device {name} is in waves "
+                    f"{devices[name].wave + 1} and {k + 1}"
+                )
+            devices[name] = DeviceRun(device=name, wave=k)
     r = Rollout(
         id=rollout_id,
         bundle_id=bundle_id,
@@ -189,11 +209,24 @@ def on_status(
 ) -> Rollout:
     """Apply one ``ota/status`` report; anything stale, foreign or duplicated is ignored."""
     d = r.devices.get(device)
-    if d is None or bundle_id != r.bundle_id or d.state in ("waiting", "aborted"):
+    if d is None or bundle_id != r.bundle_id or d.state == "aborted":
         return r
-    if (boot_id, seq) == (d.boot_id, d.seq) or (boot_id == d.boot_id and seq <= d.seq):
-        return r  # a duplicate or a replay of something already applied
+    if d.state == "waiting" and d.attempts == 0:
+        return r  # not offered yet: whatever it says is not about this rollout's offer
+    if (boot_id == d.boot_id and seq <= d.seq) or boot_id in d.old_boots:
+        # A duplicate or a replay of something already applied, or a redelivery from a
+        # boot before the one the device reports from now (the outbox sends the old boot's
+        # rows first, so anything of it arriving later is older than what we have).
+        return r
+    if boot_id != d.boot_id and d.boot_id:
+        d = replace(d, old_boots=(*d.old_boots, d.boot_id)[-MAX_OLD_BOOTS:])
     d = replace(d, boot_id=boot_id, seq=seq)
+    if d.state == "waiting":
+        # A retry is due: the attempt before is judged already. The report still moves the
+        # order on, so a redelivery of it after the next offer is known as old.
+        devices = dict(r.devices)
+        devices[device] = d
+        return replace(r, devices=devices, updated_ns=now_ns)
     code = str(detail.get("code", ""))
     new: DeviceState
     if state in IN_PROGRESS:
@@ -258,6 +291,13 @@ def _regressed(p: Params, detail: dict[str, Any]) -> bool:
     )
 
 
+def _share(fraction: float, n: int) -> float:
+    """``fraction * n`` for a fraction written as a decimal percentage: in floats
+    ``0.55 * 100`` is ``55.00000000000001`` (55 of 100 would miss a 55 % gate) and
+    ``0.29 * 100`` is ``28.999999999999996`` (29 of 100 would pass a 29 % threshold)."""
+    return round(fraction * n, 9)
+
+
 def _offer(r: Rollout, names: list[str], now_ns: int) -> tuple[Rollout, list[Command]]:
     devices = dict(r.devices)
     cmds: list[Command] = []
@@ -269,9 +309,15 @@ def _offer(r: Rollout, names: list[str], now_ns: int) -> tuple[Rollout, list[Com
 
 
 def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
-    """Time passes: timeouts, retries, the halting rules and the next wave."""
-    if r.state in ("halted", "aborted", "completed"):
-        return r, []
+    """Time passes: timeouts, retries, the halting rules and the next wave.
+
+    A halted, completed or aborted rollout offers nothing more, but a device of it that
+    commits a regression late (it was in flight or timed out, or the abort came before the
+    tick that would have caught it) is still told to roll back: keep ticking it while
+    devices may report late.
+    """
+    if r.state in ("halted", "completed", "aborted"):
+        return _roll_back_regressed(r, now_ns)
     cmds: list[Command] = []
     p = r.params
     # Timeouts: an offer that got no final answer in time does not hold its wave.
@@ -296,15 +342,16 @@ def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
     if regressed:
         names = ", ".join(sorted(d.device for d in regressed)[:5])
         why = f"regression check tripped on {len(regressed)} device(s) ({names})"
-    elif len(finished) >= p.min_devices and len(failed) > p.max_failure * len(finished):
+    elif len(finished) >= p.min_devices and len(failed) > _share(p.max_failure, len(finished)):
         first = min(failed, key=lambda d: d.device)
         why = (
             f"{len(failed)} of {len(finished)} finished devices failed "
             f"(more than {p.max_failure:.0%}); {first.device}: {first.reason}"
         )
     if why:
-        cmds += [Command("rollback", d.device) for d in regressed]
-        return _log(r, now_ns, f"halted: {why}", state="halted", reason=why), cmds
+        r = _log(r, now_ns, f"halted: {why}", state="halted", reason=why)
+        r, more = _roll_back_regressed(r, now_ns, log=False)
+        return r, cmds + more
 
     if r.state == "paused":
         return r, cmds
@@ -326,7 +373,7 @@ def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
             return r, cmds
         answered = [d for d in wave if d.state != "timed_out"]
         ok = sum(d.state == "committed" for d in answered)
-        if not answered or ok < p.success_gate * len(answered):
+        if not answered or ok < _share(p.success_gate, len(answered)):
             why = (
                 f"wave {r.wave + 1}: {ok} of {len(answered)} answering devices committed "
                 f"(gate {p.success_gate:.0%}; {len(wave) - len(answered)} timed out)"
@@ -338,6 +385,26 @@ def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
     nxt = r.wave + 1
     r, more = _offer(replace(r, wave=nxt), list(r.waves[nxt]), now_ns)
     return _log(r, now_ns, f"wave {nxt + 1} started: {len(r.waves[nxt])} device(s)"), cmds + more
+
+
+def _roll_back_regressed(
+    r: Rollout, now_ns: int, *, log: bool = True
+) -> tuple[Rollout, list[Command]]:
+    """Rollback to every committed device that regressed and was not told yet."""
+    due = sorted(
+        name
+        for name, d in r.devices.items()
+        if d.state == "committed" and d.regressed and not d.rollback_sent
+    )
+    if not due:
+        return r, []
+    devices = dict(r.devices)
+    for name in due:
+        devices[name] = replace(devices[name], rollback_sent=True)
+    r = replace(r, devices=devices)
+    if log:
+        r = _log(r, now_ns, f"rollback sent to {len(due)} regressed device(s): {', '.join(due)}")
+    return r, [Command("rollback", name) for name in due]
 
 
 def pause(r: Rollout, now_ns: int) -> Rollout:

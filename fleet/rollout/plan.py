@@ -42,17 +42,20 @@ def parse_selector(text: str) -> dict[str, tuple[str, ...]]:
     if not text.strip():
         return out
     for i, part in enumerate(text.split(",")):
-        key, eq, value = part.strip().partition("=")
+        where = f"--select item {i + 1} {part.strip()!r}"
+        key, eq, value = (s.strip() for s in part.partition("="))
         if not eq or key not in SELECTOR_KEYS:
             raise PlanError(
-                f"--select item {i + 1} {part.strip()!r}: expected KEY=VALUE with KEY one of "
-                f"{', '.join(SELECTOR_KEYS)}"
+                f"{where}: expected KEY=VALUE with KEY one of {', '.join(SELECTOR_KEYS)}"
             )
         values = tuple(v.strip() for v in value.split("|"))
-        if not all(_NAME.match(v) for v in values):
-            raise PlanError(f"--select {key}: bad value {value!r}")
+        bad = [v for v in values if not _NAME.match(v)]
+        if bad:
+            raise PlanError(
+                f"{where}: {key} value {bad[0]!r} is not a name (1-128 of A-Z a-z 0-9 _ . : - *)"
+            )
         if key in out:
-            raise PlanError(f"--select: {key} given twice")
+            raise PlanError(f"{where}: {key} given twice")
         out[key] = values
     return out
 
@@ -97,9 +100,14 @@ def parse_fraction(text: str, *, what: str) -> float:
 
 
 def _order_key(rollout_id: str, c: Candidate) -> tuple[int, str]:
-    tier = TIERS.index(c.tier) if c.tier in TIERS else 1
     h = hashlib.sha256(f"{rollout_id}/{c.device}".encode()).hexdigest()
-    return tier, h
+    return TIERS.index(c.tier), h
+
+
+def _ceil_share(pct: float, n: int) -> int:
+    """``ceil(pct * n)`` for a percentage written in decimal: ``0.07 * 100`` is
+    ``7.000000000000001`` in floats, which ``math.ceil`` turns into 8 devices, not 7."""
+    return math.ceil(round(pct * n, 9))
 
 
 def plan(
@@ -108,10 +116,21 @@ def plan(
     selector: Mapping[str, Sequence[str]],
     waves: Sequence[float],
 ) -> list[list[str]]:
-    """Device names per wave (each device in exactly one wave; empty waves are dropped)."""
-    chosen = sorted(
-        (c for c in candidates if _matches(c, selector)), key=lambda c: _order_key(rollout_id, c)
-    )
+    """Device names per wave (each device in exactly one wave; empty waves are dropped).
+
+    Raises :class:`PlanError` for a selected device with a tier outside :data:`TIERS` (a
+    mistyped ``Critical`` must not ride in the first wave as a normal device) or a device
+    name given twice.
+    """
+    selected = [c for c in candidates if _matches(c, selector)]
+    seen: set[str] = set()
+    for c in selected:
+        if c.tier not in TIERS:
+            raise PlanError(f"device {c.device}: tier {c.tier!r} is not one of {', '.join(TIERS)}")
+        if c.device in seen:
+            raise PlanError(f"device {c.device}: listed twice among the candidates")
+        seen.add(c.device)
+    chosen = sorted(selected, key=lambda c: _order_key(rollout_id, c))
     n = len(chosen)
     if n == 0:
         return []
@@ -120,7 +139,7 @@ def plan(
     taken = 0
     for k, pct in enumerate(waves):
         last = k == len(waves) - 1
-        target = n if last else min(max(math.ceil(pct * n), taken + 1), non_critical)
+        target = n if last else min(max(_ceil_share(pct, n), taken + 1), non_critical)
         if target > taken:
             out.append([c.device for c in chosen[taken:target]])
             taken = target
