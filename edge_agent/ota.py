@@ -104,6 +104,7 @@ class AgentOta:
         self._retired: dict[str, Scorer] = {}
         self._pending: list[tuple[Journal, str, dict[str, Any]]] = []
         self._task: asyncio.Task[Outcome | None] | None = None
+        self._background: set[asyncio.Task[Outcome]] = set()
         self.transitions = 0
         #: The sha of the model that came with the image, once known (see Agent).
         self.factory_sha = ""
@@ -447,12 +448,16 @@ class AgentOta:
             return
         if self._task is not None and not self._task.done():
             if cmd.action == "rollback":
-                asyncio.get_running_loop().create_task(self.updater.rollback(cmd.kind or "model"))
+                coro = self.updater.rollback(cmd.kind or "model", bundle_id=cmd.bundle_id)
+                task = asyncio.get_running_loop().create_task(coro, name="ota:rollback")
+                # Kept until done: a task nobody holds may be collected mid-flight.
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
             else:
                 log.info("ota: offer %s ignored: an update is in progress", cmd.bundle_id)
             return
         if cmd.action == "rollback" or cmd.url is None:
-            coro = self.updater.rollback(cmd.kind or "model")
+            coro = self.updater.rollback(cmd.kind or "model", bundle_id=cmd.bundle_id)
         else:
             coro = self.updater.install_url(
                 cmd.url, length=cmd.length, bundle_id=cmd.bundle_id,

@@ -358,8 +358,11 @@ class Updater:
             return Outcome("restart", why)
         return Outcome("rolled_back", why)
 
-    async def rollback(self, kind: str) -> Outcome:
-        """Abort a probation, or bring back the previous committed version of ``kind``."""
+    async def rollback(self, kind: str, *, bundle_id: str = "") -> Outcome:
+        """Abort a probation, or bring back the previous committed version of ``kind``.
+
+        ``bundle_id`` (a fleet's rollback command) is what the status reports carry, so
+        the rollout that asked sees the answer."""
         if self.journal.state == "probation":
             self._abort.set()
             return Outcome("rolled_back", "abort requested")
@@ -370,7 +373,8 @@ class Updater:
                 "failed", f"nothing to roll back: the factory {kind} is already live", "none"
             )
         async with self._lock:
-            self._go("abort", update=Update(bundle_id="", kind=kind), reason="rollback requested")
+            up = Update(bundle_id=bundle_id, kind=kind)
+            self._go("abort", update=up, reason="rollback requested")
             return await self._rollback(f"{kind} rollback requested")
 
 

@@ -48,6 +48,8 @@ from wire import OtaCommand, OtaStatusMsg, WireError, decode, encode_command, to
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("http", "coap")
+#: How long a halted, aborted or completed rollout still takes late status reports.
+LINGER_S = 600.0
 
 
 class RolloutError(FleetError):
@@ -218,8 +220,14 @@ class Orchestrator:
     def step(self) -> list[m.Rollout]:
         """Requests, new statuses, ticks, commands, saves. Returns the active rollouts."""
         now = self.clock()
-        rows = self.store.rollouts(active_only=True)
-        rollouts = {rid: load(doc) for rid, _, doc in rows}
+        # Stopped rollouts stay watched for a while: a device that reports a regression
+        # late must still be told to roll back (machine.tick does that).
+        recent = now - int(LINGER_S * 1e9)
+        rollouts = {}
+        for rid, state, doc in self.store.rollouts():
+            r, transport = load(doc)
+            if state in ("running", "paused") or r.updated_ns >= recent:
+                rollouts[rid] = (r, transport)
         changed: set[str] = set()
         commands: list[tuple[m.Rollout, str, m.Command]] = []
 
