@@ -12,7 +12,7 @@ export EDGEFLEET_TEST_PG_URL
 TRAIN_VENV  := .venv-train
 TFLITE_VENV := .venv-tflite
 
-.PHONY: venv test lint typecheck unit test-tflite demo bench model check-arm64 clean
+.PHONY: venv test lint typecheck unit test-tflite demo demo-agent bench model check-arm64 clean
 
 ## venv: create .venv and install edgefleet with its dev tools (re-runs when pyproject changes)
 venv: $(STAMP)
@@ -61,9 +61,14 @@ $(TRAIN_VENV)/.installed-edgefleet: pyproject.toml
 	$(TRAIN_VENV)/bin/python -m pip install --quiet -e '.[train]'
 	@touch $@
 
-## demo: the plant simulator and the agent with every stage, in a live terminal view; a current
-##       spike is injected 20 s in; it ends by itself after 60 s (or Ctrl-C) with a summary
+## demo: the whole story live: a broker, fleet serve, five agents on simulated plants, a model
+##       v2 rollout in waves, then a too-slow v3 that halts at its canary and rolls back (~90 s)
 demo: venv
+	$(BIN)/python scripts/demo_fleet.py
+
+## demo-agent: one agent with every stage in a live terminal view; a current spike is injected
+##       20 s in; it ends by itself after 60 s (or Ctrl-C) with a summary
+demo-agent: venv
 	$(BIN)/edge-agent check-config examples/agent.toml
 	$(BIN)/edge-agent run --config examples/agent.toml --simulate --dashboard \
 		--duration 60 --anomaly spike:current@20+15x8
@@ -81,6 +86,9 @@ bench: venv
 	$(BIN)/python -m bench.uplink --quick
 	$(BIN)/python -m bench.fleet_ingest --quick
 	$(BIN)/python -m bench.fleet_devices --quick
+	$(BIN)/python -m bench.ota --quick
+	$(BIN)/python -m bench.ota_fetch --quick
+	$(BIN)/python -m bench.rollout --quick
 
 ## check-arm64: every runtime dependency has a manylinux aarch64 wheel for CPython 3.11 and 3.12
 check-arm64: venv
