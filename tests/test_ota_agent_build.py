@@ -1,0 +1,182 @@
+"""Agent builds over OTA, end to end through the A/B launcher, as systemd would run it.
+
+The agent runs as ``python -P -m firmware.boot --slots DIR -- run ...`` (the unit's
+ExecStart); the test plays systemd's ``Restart=on-failure``: when the agent exits non-zero
+it is started again. The bundles carry real wheels of this project (another version; for the
+crash loop, one whose CLI exits 1 at once).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+from firmware.slots import Slots
+from tests.ota_support import Signer
+from tests.test_firmware_slots import crashing_cli, real_wheel, variant  # noqa: F401 - fixture
+from tests.test_service import EXAMPLES, example_text, free_port
+
+
+def _config(tmp: Path, signer: Signer) -> tuple[Path, int, Path]:
+    api = free_port()
+    slots = tmp / "slots"
+    text = example_text().replace("port = 15020", f"port = {free_port()}")
+    text = text.replace('channel = "edgefleet-demo"', f'channel = "b-{uuid.uuid4().hex[:8]}"')
+    text = text.replace("port = 0", f"port = {api}", 1)
+    text = text.replace('"../', f'"{EXAMPLES.parent}/')
+    root = signer.write_root(tmp / "root.json")
+    text = text.replace(
+        'permissions = ["model:swap", "config:write"]',
+        f'permissions = ["model:swap", "config:write", "agent:replace"]\n'
+        f'trust_root = "{root}"\nslots_dir = "{slots}"',
+    )
+    path = tmp / "agent.toml"
+    path.write_text(text)
+    return path, api, slots
+
+
+def _start(cfg: Path, slots: Path, log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "firmware.boot",
+            "--slots",
+            str(slots),
+            "--",
+            "run",
+            "-c",
+            str(cfg),
+            "--simulate",
+        ],
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        cwd="/",
+    )
+
+
+def _status(api: int) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{api}/v1/status", timeout=1) as r:
+            doc: dict[str, Any] = json.loads(r.read())
+            return doc
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_status(
+    api: int, proc: subprocess.Popen[bytes], pred: Any, timeout: float
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = _status(api)
+        if st is not None and pred(st):
+            return st
+        if proc.poll() is not None and st is None:
+            raise AssertionError(f"agent exited with {proc.returncode}")
+        time.sleep(0.2)
+    raise AssertionError("timed out waiting for the agent's status")
+
+
+def _install(api: int, bundle: Path) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{api}/v1/ota/install",
+        data=json.dumps({"path": str(bundle)}).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _agent_bundle(signer: Signer, tmp: Path, wheel: Path, version: str, counter: int) -> Path:
+    return signer.bundle(
+        tmp / f"agent-{version}.efb",
+        [(wheel.name, wheel.read_bytes())],
+        kind="agent",
+        version=version,
+        counter=counter,
+        probation={"seconds": 3, "min_windows": 2},
+    )
+
+
+def test_a_new_agent_build_installs_restarts_into_its_slot_and_commits(
+    tmp_path: Path,
+    real_wheel: Path,  # noqa: F811 - the fixture
+) -> None:
+    signer = Signer()
+    cfg, api, slots = _config(tmp_path, signer)
+    wheel = variant(real_wheel, tmp_path / "edgefleet-0.1.1-py3-none-any.whl", version="0.1.1")
+    bundle = _agent_bundle(signer, tmp_path, wheel, "0.1.1", 1)
+    log = tmp_path / "agent.log"
+    proc = _start(cfg, slots, log)
+    try:
+        _wait_status(api, proc, lambda s: s["windows"] >= 2, 60)
+        code, outcome = _install(api, bundle)
+        assert code == 202, outcome
+        assert outcome["result"] == "restart"
+        assert proc.wait(30) == 3, log.read_text()[-3000:]  # "restart me", for systemd
+        state = Slots(slots).load()
+        assert state.active is not None
+        assert state.slot(state.active).status == "trying"
+        # systemd starts it again: the launcher runs the new slot; its probation commits.
+        proc = _start(cfg, slots, log)
+        st = _wait_status(
+            api, proc, lambda s: (s["ota"].get("last") or {}).get("result") == "committed", 90
+        )
+        assert st["ota"]["active"]["agent"]["version"] == "0.1.1"
+        assert st["ota"]["state"] == "idle"
+        assert st["ota"]["floors"] == {"agent": 1}
+        state = Slots(slots).load()
+        assert state.active is not None
+        assert state.slot(state.active).status == "good"
+        assert state.slot(state.active).version == "0.1.1"
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_a_crash_looping_build_gives_way_after_max_boots_and_is_reported_rolled_back(
+    tmp_path: Path,
+    real_wheel: Path,  # noqa: F811 - the fixture
+) -> None:
+    signer = Signer()
+    cfg, api, slots = _config(tmp_path, signer)
+    wheel = variant(real_wheel, tmp_path / "edgefleet-0.1.2-py3-none-any.whl", version="0.1.2",
+                    cli=crashing_cli)  # fmt: skip
+    bundle = _agent_bundle(signer, tmp_path, wheel, "0.1.2", 1)
+    log = tmp_path / "agent.log"
+    proc = _start(cfg, slots, log)
+    try:
+        _wait_status(api, proc, lambda s: s["windows"] >= 2, 60)
+        code, _ = _install(api, bundle)
+        assert code == 202
+        assert proc.wait(30) == 3
+        # systemd's Restart=on-failure: the new build dies at once, boot after boot.
+        for _ in range(Slots(slots).max_boots):
+            proc = _start(cfg, slots, log)
+            assert proc.wait(60) == 1
+        proc = _start(cfg, slots, log)  # the launcher gives up on it: the base install runs
+        st = _wait_status(
+            api, proc, lambda s: (s["ota"].get("last") or {}).get("result") == "rolled_back", 60
+        )
+        assert "did not become healthy" in st["ota"]["last"]["reason"]
+        assert "agent" not in st["ota"]["active"]
+        state = Slots(slots).load()
+        assert state.active is None
+        assert state.last_event is not None
+        assert state.last_event.kind == "fell_back_to_base"
+    finally:
+        proc.terminate()
+        proc.wait(20)
