@@ -22,8 +22,11 @@ from typing import Any
 
 from drivers.sim.server import PlantSimulator
 from edge_agent.config import load_config
+from edge_agent.ota import AgentOta
 from edge_agent.rules import Decision
 from edge_agent.service import Agent
+from fleet.artifacts import ArtifactServer, publish
+from ota.fetch import fetch
 from ota.machine import Journal
 
 
@@ -33,6 +36,30 @@ async def _until(pred: Callable[[], bool], timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise SystemExit("timed out waiting for decisions")
         await asyncio.sleep(0.05)
+
+
+async def _fetch_and_die(ota: AgentOta, bundle: Path) -> None:
+    """Offer the bundle from a real artifact server; die once the first bytes are on disk."""
+    artifacts = bundle.parent / "artifacts"
+    sha = publish(artifacts, bundle)
+    length = (artifacts / f"{sha}.efb").stat().st_size
+
+    def die(done: int) -> None:
+        if done > 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    async def fetch_then_die(url: str, dest: Path, *, length: int) -> Path:
+        return await fetch(url, dest, length=length, progress=die)
+
+    ota.updater._fetch = fetch_then_die
+    async with ArtifactServer(artifacts) as srv:
+        await ota.updater.install_url(
+            srv.http_url(sha),
+            length=length,
+            bundle_id="m2",
+            incoming_name="m2.efb",
+        )
+    await asyncio.sleep(30)
 
 
 def main(config: Path, port: int, channel: str, bundle: Path | None, kill_at: str) -> None:
@@ -48,7 +75,8 @@ def main(config: Path, port: int, channel: str, bundle: Path | None, kill_at: st
         def hook(j: Journal, reason: str, detail: dict[str, Any]) -> None:
             if report is not None:
                 report(j, reason, detail)
-            if j.state == kill_at:
+            # "fetching" dies mid-transfer instead (see _fetch_and_die).
+            if j.state == kill_at != "fetching":
                 os.kill(os.getpid(), signal.SIGKILL)
 
         ota.updater.on_transition = hook
@@ -56,7 +84,9 @@ def main(config: Path, port: int, channel: str, bundle: Path | None, kill_at: st
 
         async def drive() -> None:
             await _until(lambda: len(decisions) >= 2)
-            if bundle is not None:
+            if bundle is not None and kill_at == "fetching":
+                await _fetch_and_die(ota, bundle)
+            elif bundle is not None:
                 await ota.install_file(bundle)
                 await asyncio.sleep(30)  # only a missed kill point gets here
             else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -315,6 +316,7 @@ def _child(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("kill_at", "failing"),
     [
+        ("fetching", False),
         ("verifying", False),
         ("staged", False),
         ("activating", False),
@@ -332,11 +334,17 @@ def test_sigkill_at_each_step_leaves_one_consistent_version(
     probation = {"seconds": 1, "min_windows": 1}
     if failing:
         probation["p99_us"] = 1  # fails at once: the kill lands in rolling_back
+    if kill_at == "fetching":
+        # Big enough that the transfer takes several chunks: the kill lands mid-way.
+        members = [*members, ("padding.bin", os.urandom(4 * 1024 * 1024))]
     bundle = signer.bundle(tmp_path / "m2.efb", members, probation=probation)
     first = _child(str(config), str(port), channel, str(bundle), kill_at)
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
-    journal, _ = load_journal(load_config(config).state_dir / "ota" / "journal.json")
+    state_dir = load_config(config).state_dir
+    journal, _ = load_journal(state_dir / "ota" / "journal.json")
     assert journal.state == kill_at
+    if kill_at == "fetching":
+        assert list((state_dir / "ota" / "incoming").glob("*.part")), "killed mid-transfer"
 
     second = _child(str(config), str(port), channel)
     assert second.returncode == 0, second.stderr[-2000:]
