@@ -1,0 +1,45 @@
+"""``make demo`` end to end (three gateways instead of five, to spare CI): the v2 rollout
+completes on every gateway, the too-slow v3 halts at its first wave with a latency
+regression and its canary is back on v2, and the demo leaves no process behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_fleet_demo_tells_the_whole_story() -> None:
+    before = {p.pid for p in psutil.process_iter()}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "demo_fleet.py"), "--agents", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        check=False,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert "fleet keys init" in out
+    assert "fleet rollout create" in out
+    summary = out[out.index("summary") :]
+    assert "gw-01 runs model 2.0.0, gw-02 runs model 2.0.0, gw-03 runs model 2.0.0" in summary
+    assert "(model-2.0.0 2.0.0): completed; 3/3 committed" in summary
+    assert "(model-3.0.0 3.0.0): halted; 0/3 committed, 1 rolled back or failed" in summary
+    assert "latency regression" in summary
+    left = [
+        c for p in psutil.process_iter() if p.pid not in before and "demo-fleet" in (c := _cmd(p))
+    ]
+    assert not left, left
+
+
+def _cmd(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # gone meanwhile
+        return ""
