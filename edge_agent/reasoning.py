@@ -54,12 +54,14 @@ stage: a model that fails to load never reaches it and the old one keeps serving
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from functools import partial
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -108,9 +110,13 @@ class PreparedModel:
     columns: npt.NDArray[np.intp] | None
     signals: tuple[str, ...]
     #: Per-signal normal mean (manifest) and a fixed pattern of normal step noise, for
-    #: occlusion (see the module docstring).
+    #: occlusion (see the module docstring); level_ref is their sum (the drift reference).
     normal_mean: FloatArray
     step_noise: FloatArray
+    level_ref: FloatArray
+    #: ``occluded(values, ref)``: the probabilities with each signal in turn taken from
+    #: ``ref``, one row per signal (the model's batched ``predict_occluded`` when it has one).
+    occluded: Callable[[FloatArray, FloatArray], FloatArray]
 
     @property
     def sha256(self) -> str:
@@ -298,7 +304,9 @@ class ReasoningStage:
         if m.signals != per.signals:
             columns = np.array([per.signals.index(s) for s in m.signals], dtype=np.intp)
         mean, noise = _occlusion_constants(m)
-        model.predict(mean + noise)  # warm-up, see above
+        level_ref = mean + noise
+        model.predict(level_ref)  # warm-up, see above
+        batched = getattr(model, "predict_occluded", None)
         prepared = PreparedModel(
             model=model,
             rules=compiled,
@@ -306,9 +314,11 @@ class ReasoningStage:
             signals=m.signals,
             normal_mean=mean,
             step_noise=noise,
+            level_ref=level_ref,
+            occluded=batched if callable(batched) else partial(_occluded_one_by_one, model),
         )
-        # The first attribution in a process also pays one-time costs (~35 ms measured,
-        # numpy's lazily set-up median among them): pay them here, not on the first alarm.
+        # The first attribution in a process also pays one-time costs (ms: the batched
+        # interpreter's first invoke allocates): pay them here, not on the first alarm.
         if compiled.top_k:
             for label in compiled.labels:
                 if label != NORMAL:
@@ -359,7 +369,9 @@ class ReasoningStage:
         breaker = self.breaker
         mode = breaker.mode
         allowed, fired = rules.masks(window.values)
-        finding = dropout_finding(window.signals, window.stale)
+        # One look at the stale flags, shared by the dropout rule and the held columns.
+        any_stale = True in window.stale.tolist()
+        finding = dropout_finding(window.signals, window.stale) if any_stale else None
         if finding is not None:
             fired.append(finding)
         levels: dict[str, Level] = {DROPOUT: Level.BELOW if finding is None else Level.ABOVE}
@@ -369,7 +381,7 @@ class ReasoningStage:
         ran = breaker.should_run()
         if ran:
             values, plist, label, score = _score(
-                active, window, self._held_signals(window), allowed
+                active, window, self._held_signals(window, any_stale), allowed
             )
             levels.update(rules.levels(plist, allowed))
             probabilities = dict(zip(rules.labels, plist, strict=True))
@@ -452,22 +464,27 @@ class ReasoningStage:
             latency_ms=(self.timer() - t0) / 1e6,
         )
 
-    def _held_signals(self, window: Window) -> npt.NDArray[np.bool_] | None:
+    def _held_signals(self, window: Window, any_stale: bool) -> npt.NDArray[np.bool_] | None:
         """Signals whose column is (partly) a held value, or None when there are none.
 
-        ``stale`` is the state at the window's last point. A signal stale at the end of the
-        previous window and fresh again now was still held at the start of this one.
+        ``stale`` is the state at the window's last point (``any_stale``: one of them is
+        set). A signal stale at the end of the previous window and fresh again now was
+        still held at the start of this one.
         """
         stale = window.stale
         # Not seen yet at the window's start (the agent just started, a source joined late):
         # NaN up to its first sample, then a jump, which reads as a spike. Neutralise it too.
-        missing = np.isnan(window.values[0])
-        if missing.any():
-            stale = stale | missing
+        # (A sum of the first row is NaN when one of its values is: one cheap test first.)
+        first = window.values[0]
+        if math.isnan(sum(first.tolist())):
+            missing = np.isnan(first)
+            if missing.any():
+                stale = stale | missing
+                any_stale = True
         prev = self._prev_stale
         if prev is not None and window.seq == self._prev_seq + 1:
             return stale | prev
-        return stale if stale.any() else None
+        return stale if any_stale else None
 
     # -- reporting ------------------------------------------------------------------------
 
@@ -542,26 +559,47 @@ def _occlusion(
     active: PreparedModel, values: FloatArray, label: str, base: float
 ) -> tuple[tuple[str, float], ...]:
     """Contribution of each signal to ``label`` (see the module docstring)."""
-    x = np.array(values, dtype=np.float32, copy=True)
-    mean = active.normal_mean
     if label in LEVEL_LABELS:
-        ref = mean + active.step_noise
+        ref = active.level_ref
     else:
-        # A never-seen signal (NaN) sits at its normal mean, as the model's features see it.
-        level = np.median(np.where(np.isnan(x), mean, x), axis=0)
-        ref = level + active.step_noise
+        x = values
+        if np.isnan(np.add.reduce(x, axis=None)):
+            # A never-seen signal (NaN) sits at its normal mean, as the model's features see it.
+            x = np.where(np.isnan(x), active.normal_mean, x)
+        ref = column_median(x) + active.step_noise
     index = active.rules.labels.index(label)
-    model = active.model
-    drops: list[tuple[str, float]] = []
-    for i, name in enumerate(active.signals):
-        saved = x[:, i].copy()
-        x[:, i] = ref[:, i]
-        drop = base - float(model.predict(x)[index])
-        x[:, i] = saved
-        if drop > 0.0:
-            drops.append((name, drop))
+    probs: list[float] = active.occluded(values, ref)[:, index].tolist()
+    drops = [
+        (name, base - p) for name, p in zip(active.signals, probs, strict=True) if base - p > 0.0
+    ]
     drops.sort(key=lambda d: d[1], reverse=True)
     return tuple(drops[: active.rules.top_k])
+
+
+def _occluded_one_by_one(model: Scorer, values: FloatArray, ref: FloatArray) -> FloatArray:
+    """``occluded`` for a scorer without a batched ``predict_occluded``: one run per signal."""
+    x = np.array(values, dtype=np.float32, copy=True)
+    rows = []
+    for i in range(x.shape[1]):
+        saved = x[:, i].copy()
+        x[:, i] = ref[:, i]
+        rows.append(model.predict(x))
+        x[:, i] = saved
+    return np.stack(rows)
+
+
+def column_median(x: FloatArray) -> FloatArray:
+    """``np.median(x, axis=0)`` for a NaN-free ``x``, bit for bit, at a fraction of its cost.
+
+    One partition and the mean of the middle pair, as numpy's own median does, without its
+    general-purpose overhead (axis handling, NaN checks: tens of µs on a 64-row window).
+    """
+    n = x.shape[0]
+    half = n // 2
+    if n % 2:
+        return cast(FloatArray, np.partition(x, half, axis=0)[half])
+    part = np.partition(x, (half - 1, half), axis=0)
+    return cast(FloatArray, np.add(part[half - 1], part[half]) / 2)
 
 
 def _occlusion_constants(m: ModelManifest) -> tuple[FloatArray, FloatArray]:

@@ -278,9 +278,14 @@ class CompiledRules:
         """The hysteresis event of every alarm label; a masked label counts as ``below``."""
         margin = self.hysteresis.margin
         out: dict[str, Level] = {}
+        thresholds = self.thresholds
         for i in range(1, len(self.labels)):
             p = float(probs[i]) if allowed[i] else 0.0
-            out[self.labels[i]] = classify(p, self.thresholds[i], margin)
+            t = thresholds[i]
+            # classify() inlined: this runs for every label on every window.
+            out[self.labels[i]] = (
+                Level.ABOVE if p >= t else Level.HOLD if p >= t - margin else Level.BELOW
+            )
         return out
 
 
@@ -372,6 +377,7 @@ class AlarmTracker:
         self.states: dict[str, AlarmState] = {}
         self.raised_total = 0
         self.cleared_total = 0
+        self._active: frozenset[str] = frozenset()
 
     def update(
         self, levels: Mapping[str, Level]
@@ -385,29 +391,38 @@ class AlarmTracker:
         cleared: list[str] = []
         spec = self.spec
         states = self.states
+        changed = False
         for label, level in levels.items():
             old = states.get(label, _CLEAR)
+            # The usual window: a clear alarm that is not above its threshold stays clear
+            # (what step() returns for it, without building the new state).
+            if level is not Level.ABOVE and old.phase is Phase.CLEAR:
+                continue
             new = step(old, level, spec)
             if new is old or new == old:
                 continue
             states[label] = new
+            changed = True
             if new.active and not old.active:
                 raised.append(label)
             elif old.active and not new.active:
                 cleared.append(label)
+        if changed:
+            self._active = frozenset(label for label, s in states.items() if s.active)
         self.raised_total += len(raised)
         self.cleared_total += len(cleared)
-        return self.active(), tuple(raised), tuple(cleared)
+        return self._active, tuple(raised), tuple(cleared)
 
     def active(self) -> frozenset[str]:
         """The labels whose alarm is up."""
-        return frozenset(label for label, s in self.states.items() if s.active)
+        return self._active
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the state of every label not in ``keep`` (a swapped-in model lost it)."""
         keep = set(keep)
         for label in [lb for lb in self.states if lb not in keep]:
             del self.states[label]
+        self._active = frozenset(label for label, s in self.states.items() if s.active)
 
 
 _CLEAR = AlarmState()
