@@ -115,7 +115,8 @@ class PreparedModel:
     step_noise: FloatArray
     level_ref: FloatArray
     #: ``occluded(values, ref)``: the probabilities with each signal in turn taken from
-    #: ``ref``, one row per signal (the model's batched ``predict_occluded`` when it has one).
+    #: ``ref``, one row per signal, right after ``model.predict(values)`` (the model's
+    #: batched ``predict_occluded`` reusing that call's int8 input, when it has one).
     occluded: Callable[[FloatArray, FloatArray], FloatArray]
 
     @property
@@ -307,6 +308,11 @@ class ReasoningStage:
         level_ref = mean + noise
         model.predict(level_ref)  # warm-up, see above
         batched = getattr(model, "predict_occluded", None)
+        occluded = (
+            partial(batched, after_predict=True)
+            if callable(batched)
+            else partial(_occluded_one_by_one, model)
+        )
         prepared = PreparedModel(
             model=model,
             rules=compiled,
@@ -315,14 +321,14 @@ class ReasoningStage:
             normal_mean=mean,
             step_noise=noise,
             level_ref=level_ref,
-            occluded=batched if callable(batched) else partial(_occluded_one_by_one, model),
+            occluded=occluded,
         )
         # The first attribution in a process also pays one-time costs (ms: the batched
         # interpreter's first invoke allocates): pay them here, not on the first alarm.
         if compiled.top_k:
             for label in compiled.labels:
                 if label != NORMAL:
-                    _occlusion(prepared, mean + noise, label, 1.0)
+                    _occlusion(prepared, level_ref, label, 1.0)  # right after its predict
         return prepared
 
     def swap(self, prepared: PreparedModel) -> Scorer:
@@ -558,7 +564,10 @@ LEVEL_LABELS = frozenset({"drift"})
 def _occlusion(
     active: PreparedModel, values: FloatArray, label: str, base: float
 ) -> tuple[tuple[str, float], ...]:
-    """Contribution of each signal to ``label`` (see the module docstring)."""
+    """Contribution of each signal to ``label`` (see the module docstring).
+
+    Call it right after the model scored ``values`` (``active.occluded`` reuses that run).
+    """
     if label in LEVEL_LABELS:
         ref = active.level_ref
     else:
@@ -649,6 +658,7 @@ __all__ = [
     "ReasoningStage",
     "Scorer",
     "StageStats",
+    "column_median",
     "model_info",
     "percentiles",
 ]

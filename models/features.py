@@ -117,13 +117,11 @@ class FeatureExtractor:
     clip (the runtime folds that clip into int8 quantization); reshaped to
     ``(window, GROUPS * n)`` it is the channel order of :func:`compute_features`.
     :meth:`__call__` is exactly :func:`compute_features`. Both return buffers that the next
-    call overwrites: copy them to keep them. With ``batch``, every call takes that many
-    windows and the buffers get a leading batch axis (one ufunc per step for all of them).
+    call overwrites: copy them to keep them.
     """
 
     __slots__ = (
         "_bad",
-        "_batch",
         "_before",
         "_clip",
         "_diff",
@@ -137,50 +135,28 @@ class FeatureExtractor:
         "_same",
         "_view",
         "_z",
-        "_zb",
     )
 
-    def __init__(self, spec: FeatureSpec, window: int, batch: int | None = None) -> None:
+    def __init__(self, spec: FeatureSpec, window: int) -> None:
         n = spec.n_signals
-        lead = () if batch is None else (batch,)
-        self._batch = batch
         self._mean = spec.mean.astype(np.float32)
         self._inv_std = (np.float32(1.0) / spec.std).astype(np.float32)
         self._ratio = (spec.std / spec.diff_scale).astype(np.float32)
         self._clip = np.float32(spec.clip)
-        self._bad = np.empty((*lead, window, n), dtype=np.bool_)
+        self._bad = np.empty((window, n), dtype=np.bool_)
         # Group-major so every ufunc below works on contiguous rows; _view is the
-        # ([batch,] window, GROUPS, n) transpose the model input is read from.
-        self._g = np.zeros((GROUPS, *lead, window, n), dtype=np.float32)
-        if batch is None:
-            self._view = self._g.transpose(1, 0, 2)
-        else:
-            self._view = self._g.transpose(1, 2, 0, 3)
-        self._out = np.empty((*lead, window, GROUPS * n), dtype=np.float32)
-        self._out3 = self._out.reshape(*lead, window, GROUPS, n)
-        # Views made once: a view costs as much as a small ufunc call.
-        g = self._g
-        self._z = g[0]
-        self._zb = list(g[0]) if batch is not None else []
-        self._diff, self._same = g[1, ..., 1:, :], g[2, ..., 1:, :]
-        self._now, self._before = g[0, ..., 1:, :], g[0, ..., :-1, :]
+        # (window, GROUPS, n) transpose the model input is read from.
+        self._g = g = np.zeros((GROUPS, window, n), dtype=np.float32)
+        self._view = g.transpose(1, 0, 2)
+        self._out = np.empty((window, GROUPS * n), dtype=np.float32)
+        self._out3 = self._out.reshape(window, GROUPS, n)
+        # Views made once: making a view costs about as much as a small ufunc call.
+        self._z, self._diff, self._same = g[0], g[1, 1:], g[2, 1:]
+        self._now, self._before = g[0, 1:], g[0, :-1]
 
-    def groups(
-        self, values: npt.NDArray[np.floating] | Sequence[npt.NDArray[np.floating]]
-    ) -> FloatArray:
-        """The unclipped features of ``values``: one window, or ``batch`` of them.
-
-        A batch extractor takes any sequence of ``batch`` windows (each is read once, in its
-        own dtype, exactly as a single window would be: same numbers, window by window).
-        """
+    def groups(self, values: npt.NDArray[np.floating]) -> FloatArray:
         z = self._z
-        if self._batch is None:
-            np.subtract(values, self._mean, out=z)
-        else:
-            if len(values) != self._batch:
-                raise ValueError(f"expected {self._batch} windows, got {len(values)}")
-            for v, zb in zip(values, self._zb, strict=True):
-                np.subtract(v, self._mean, out=zb)
+        np.subtract(values, self._mean, out=z)
         np.multiply(z, self._inv_std, out=z)
         if not np.isfinite(np.add.reduce(z, axis=None)):  # rare: a NaN (never-seen) signal
             np.isfinite(z, out=self._bad)
@@ -193,9 +169,7 @@ class FeatureExtractor:
         np.arcsinh(diff, out=diff)
         return self._view
 
-    def __call__(
-        self, values: npt.NDArray[np.floating] | Sequence[npt.NDArray[np.floating]]
-    ) -> FloatArray:
+    def __call__(self, values: npt.NDArray[np.floating]) -> FloatArray:
         np.clip(self.groups(values), -self._clip, self._clip, out=self._out3)
         return self._out
 

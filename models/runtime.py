@@ -450,15 +450,16 @@ class LoadedModel:
 
     __slots__ = (
         "_dequant_lut",
-        "_diag",
         "_extract",
         "_in_index",
         "_in_inv_scale",
         "_in_shape",
         "_in_zp",
         "_interp",
+        "_last",
         "_normal_index",
         "_occ",
+        "_occ_diag",
         "_occ_in",
         "_occ_out",
         "_occ_q",
@@ -466,14 +467,14 @@ class LoadedModel:
         "_out_index",
         "_out_scale",
         "_out_zp",
-        "_pair_extract",
-        "_pair_q",
-        "_pair_qf",
         "_q",
         "_q3",
         "_qf",
         "_qhi",
         "_qlo",
+        "_ref_q3",
+        "_ref_qf",
+        "_ref_t",
         "_threshold_array",
         "_window_shape",
         "backend",
@@ -529,15 +530,22 @@ class LoadedModel:
             dtype=np.float32,
         )
         self._normal_index = manifest.labels.index(NORMAL_LABEL)
-        # predict_occluded(): the int8 inputs of a window and its reference side by side,
-        # and the batch of one occluded input per signal built from them.
+        # predict_occluded(): the reference's int8 input, and the batch of one occluded
+        # input per signal (signal occluded, step, group, signal) built from it and _q3.
         n = len(manifest.signals)
-        self._pair_extract = FeatureExtractor(manifest.features, manifest.window, batch=2)
-        self._pair_qf = np.empty((2, window, groups, n), dtype=np.float32)
-        self._pair_q = np.empty((2, window, groups, n), dtype=np.int8)
+        self._last: object = None  # the values of the latest predict() (identity only)
+        self._ref_qf = np.empty((window, groups, n), dtype=np.float32)
+        self._ref_q3 = np.empty((window, groups, n), dtype=np.int8)
         self._occ_q = np.empty((n, window, channels), dtype=np.int8)
         self._occ_q4 = self._occ_q.reshape(n, window, groups, n)
-        self._diag = np.arange(n)
+        # The diagonal of _occ_q4 over its two signal axes as one writable view (n, step,
+        # group), and the reference in that order: one strided copy puts each occluded
+        # signal's channels in place (an indexed assignment costs several times more).
+        b = self._occ_q4.strides
+        self._occ_diag = np.lib.stride_tricks.as_strided(
+            self._occ_q4, shape=(n, window, groups), strides=(b[0] + b[3], b[1], b[2])
+        )
+        self._ref_t = self._ref_q3.transpose(2, 0, 1)
         self._occ = occluder
         self.occlusion_batched = occluder is not None
         if occluder is not None:
@@ -606,6 +614,7 @@ class LoadedModel:
         if values.shape != self._window_shape:
             self._check_values(values)
         self._quantize_into(self._extract.groups(values), self._qf, self._q3)
+        self._last = values
         interp = self._interp
         interp.set_tensor(self._in_index, self._q)
         interp.invoke()
@@ -625,7 +634,9 @@ class LoadedModel:
         np.minimum(qf, self._qhi, out=qf)
         np.rint(qf, out=q, casting="unsafe")
 
-    def predict_occluded(self, values: npt.NDArray[Any], ref: npt.NDArray[Any]) -> FloatArray:
+    def predict_occluded(
+        self, values: npt.NDArray[Any], ref: npt.NDArray[Any], *, after_predict: bool = False
+    ) -> FloatArray:
         """Probabilities ``(n_signals, n_labels)``: row ``i`` is :meth:`predict` of ``values``
         with its column ``i`` replaced by column ``i`` of ``ref`` (occlusion attribution).
 
@@ -633,18 +644,25 @@ class LoadedModel:
         input of ``values`` with one signal's channels taken from that of ``ref``: features
         of two windows instead of ``n_signals``, and one invoke of a second interpreter whose
         input holds ``n_signals`` windows instead of ``n_signals`` invokes (one by one when
-        the model does not take that batch, :attr:`occlusion_batched` False). The rows equal
+        the model does not take that batch: :attr:`occlusion_batched` False). The rows equal
         the ``n_signals`` :meth:`predict` calls exactly (the test suite checks it).
+
+        ``after_predict=True``: ``values`` is the very array of the latest :meth:`predict`
+        call, unchanged since, and its int8 input is reused instead of computed again (the
+        reasoning stage's alarm path). Another array raises ``ValueError``.
         """
-        self._check_values(values)
-        self._check_values(ref)
-        pair = self._pair_q
-        self._quantize_into(self._pair_extract.groups((values, ref)), self._pair_qf, pair)
-        batch = self._occ_q4  # (signal occluded, window, group, signal)
-        np.copyto(batch, pair[0])
-        # The diagonal from ref in one indexed assignment (copyto(where=) is ~5x slower).
-        diag = self._diag
-        batch[diag, :, :, diag] = pair[1].transpose(2, 0, 1)
+        if after_predict:
+            if values is not self._last:
+                raise ValueError("after_predict: values is not the window of the last predict()")
+        else:
+            self._check_values(values)
+            self._quantize_into(self._extract.groups(values), self._qf, self._q3)
+            self._last = values
+        if ref.shape != self._window_shape:
+            self._check_values(ref)
+        self._quantize_into(self._extract.groups(ref), self._ref_qf, self._ref_q3)
+        np.copyto(self._occ_q4, self._q3)
+        np.copyto(self._occ_diag, self._ref_t)
         occ = self._occ
         if occ is not None:
             occ.set_tensor(self._occ_in, self._occ_q)
