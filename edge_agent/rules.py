@@ -135,7 +135,13 @@ def window_stat(column: npt.NDArray[np.float32], stat: Stat) -> float:
     if stat == "last":
         return float(column[-1])
     # Fast path (the usual case: no NaN). A NaN anywhere makes the plain reduction NaN.
-    x = float(column.mean() if stat == "mean" else column.min() if stat == "min" else column.max())
+    # min/max: the ufunc reductions ndarray.min/max run, without their Python wrapper.
+    if stat == "max":
+        x = float(np.maximum.reduce(column))
+    elif stat == "min":
+        x = float(np.minimum.reduce(column))
+    else:
+        x = float(column.mean())
     if not math.isnan(x):
         return x
     finite = column[~np.isnan(column)]
@@ -307,12 +313,19 @@ class Level(enum.Enum):
     HOLD = "hold"  # threshold - margin <= p < threshold: changes nothing once raised
     BELOW = "below"  # p < threshold - margin
 
+    # Members are singletons compared by identity: hash them by identity too, in C. Enum's
+    # own __hash__ is a Python call, and the alarm machine hashes members on every window
+    # of an alarm (its table lookups) several times.
+    __hash__ = object.__hash__
+
 
 class Phase(enum.Enum):
     CLEAR = "clear"
     RAISING = "raising"  # above for fewer than raise_after windows so far
     RAISED = "raised"
     CLEARING = "clearing"  # raised, below for fewer than clear_after windows so far
+
+    __hash__ = object.__hash__  # as Level's
 
 
 #: The complete alarm machine (see the module docstring). A counting phase reached again
@@ -378,6 +391,9 @@ class AlarmTracker:
         self.raised_total = 0
         self.cleared_total = 0
         self._active: frozenset[str] = frozenset()
+        # step() is pure and its states are few (phase x streak below the limits): each
+        # (state, level) is computed once.
+        self._next: dict[tuple[AlarmState, Level], AlarmState] = {}
 
     def update(
         self, levels: Mapping[str, Level]
@@ -398,7 +414,9 @@ class AlarmTracker:
             # (what step() returns for it, without building the new state).
             if level is not Level.ABOVE and old.phase is Phase.CLEAR:
                 continue
-            new = step(old, level, spec)
+            new = self._next.get((old, level))
+            if new is None:
+                new = self._next[(old, level)] = step(old, level, spec)
             if new is old or new == old:
                 continue
             states[label] = new
