@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import operator
 import time
 import uuid
 from collections import Counter, deque
@@ -579,17 +580,21 @@ def _occlusion(
         ref = active.level_ref
     else:
         x = values
-        if np.isnan(np.add.reduce(x, axis=None)):
+        if math.isnan(np.add.reduce(x, axis=None)):
             # A never-seen signal (NaN) sits at its normal mean, as the model's features see it.
             x = np.where(np.isnan(x), active.normal_mean, x)
         ref = active.median_ref(x)
     index = active.rules.labels.index(label)
     probs: list[float] = active.occluded(values, ref)[:, index].tolist()
-    drops = [
-        (name, base - p) for name, p in zip(active.signals, probs, strict=True) if base - p > 0.0
-    ]
-    drops.sort(key=lambda d: d[1], reverse=True)
+    drops: list[tuple[str, float]] = []
+    for name, p in zip(active.signals, probs, strict=True):
+        if base - p > 0.0:
+            drops.append((name, base - p))
+    drops.sort(key=_second, reverse=True)  # stable: ties keep the signal order
     return tuple(drops[: active.rules.top_k])
+
+
+_second = operator.itemgetter(1)
 
 
 def _occluded_one_by_one(model: Scorer, values: FloatArray, ref: FloatArray) -> FloatArray:

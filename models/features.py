@@ -28,6 +28,7 @@ model alarm on a stale signal.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -158,7 +159,7 @@ class FeatureExtractor:
         z = self._z
         np.subtract(values, self._mean, out=z)
         np.multiply(z, self._inv_std, out=z)
-        if not np.isfinite(np.add.reduce(z, axis=None)):  # rare: a NaN (never-seen) signal
+        if not math.isfinite(np.add.reduce(z, axis=None)):  # rare: a NaN (never-seen) signal
             np.isfinite(z, out=self._bad)
             np.logical_not(self._bad, out=self._bad)
             np.copyto(z, np.float32(0.0), where=self._bad)
