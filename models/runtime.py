@@ -38,9 +38,11 @@ the caller keeps the model it runs):
 4. one int8 input of shape ``input.shape`` and one int8 output of shape ``output.shape``,
    both with the manifest's scale and zero point; one output per label.
 
-A :class:`LoadedModel` is not thread-safe (one interpreter, reused buffers): give each
-thread its own. ``predict()`` takes ~20 us (LiteRT) to ~40 us (tflite_runtime) on an x86
-core, so calling it inline on the event loop is fine.
+A :class:`LoadedModel` is not thread-safe (its interpreters and buffers are reused): give each
+thread its own. It holds a second interpreter of the same bytes whose input takes one window
+per signal, for occlusion attribution in one invoke (:meth:`LoadedModel.predict_occluded`).
+``predict()`` takes ~20 us (LiteRT) to ~40 us (tflite_runtime) on an x86 core, so calling it
+inline on the event loop is fine.
 """
 
 from __future__ import annotations
@@ -473,7 +475,6 @@ class LoadedModel:
         "_qhi",
         "_qlo",
         "_ref_q3",
-        "_ref_qf",
         "_ref_t",
         "_threshold_array",
         "_window_shape",
@@ -534,7 +535,6 @@ class LoadedModel:
         # input per signal (signal occluded, step, group, signal) built from it and _q3.
         n = len(manifest.signals)
         self._last: object = None  # the values of the latest predict() (identity only)
-        self._ref_qf = np.empty((window, groups, n), dtype=np.float32)
         self._ref_q3 = np.empty((window, groups, n), dtype=np.int8)
         self._occ_q = np.empty((n, window, channels), dtype=np.int8)
         self._occ_q4 = self._occ_q.reshape(n, window, groups, n)
@@ -660,7 +660,8 @@ class LoadedModel:
             self._last = values
         if ref.shape != self._window_shape:
             self._check_values(ref)
-        self._quantize_into(self._extract.groups(ref), self._ref_qf, self._ref_q3)
+        # The float buffer of predict() is free again (its int8 result is in _q3): warm.
+        self._quantize_into(self._extract.groups(ref), self._qf, self._ref_q3)
         np.copyto(self._occ_q4, self._q3)
         np.copyto(self._occ_diag, self._ref_t)
         occ = self._occ
