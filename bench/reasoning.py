@@ -14,7 +14,8 @@ decided normal: the budget's path), alarm_p50_us / alarm_p99_us (occlusion path)
 paced_p50_us / paced_p99_us and paced_bare_invoke_p50_us / _p99_us (one window every 10 ms,
 the CPU idling in between as in the agent; interleaved, so both see the same machine),
 bare_invoke_p50_us, bare_invoke_p99_us (back to back), ratio_p99 (stage / bare),
-windows, backend, threads.
+windows, alarm_windows, backend, threads, occlusion_batched (one batched invoke per
+attribution, else one per signal).
 Target: P99 of the stage <= 100 µs on the normal path.
 """
 
@@ -100,6 +101,7 @@ def run(iterations: int, plant_seconds: float, paced_windows: int) -> dict[str, 
         "windows": iterations,
         "distinct_windows": len(windows),
         "alarm_share": round(len(alarm) / max(1, len(every)), 4),
+        "alarm_windows": len(alarm),
         "p50_us": pct(every, 50),
         "p99_us": p99,
         "normal_p50_us": pct(normal, 50),
@@ -116,6 +118,7 @@ def run(iterations: int, plant_seconds: float, paced_windows: int) -> dict[str, 
         "normal_ratio_p99": round(pct(normal, 99) / bare_p99, 2) if bare_p99 else 0.0,
         "backend": model.backend,
         "threads": model.threads,
+        "occlusion_batched": model.occlusion_batched,
         "machine": platform.machine(),
         "target_p99_us": 100.0,
     }

@@ -11,7 +11,11 @@ Attribution (``Decision.top_signals``)
 Only when the verdict is an alarm label do we pay for an explanation: occlusion, one extra
 model run per signal. Signal ``i`` is replaced by a *normal-looking* column and the drop of
 the winning label's probability is its contribution; signals whose replacement does not
-lower it are left out. The replacement depends on what kind of fault won:
+lower it are left out. :meth:`models.LoadedModel.predict_occluded` does all the runs in
+one batched invoke, reusing the window's int8 input (a feature channel reads one signal, so
+an occluded input is that input with one signal's channels taken from the reference's);
+the outputs are those of one ``predict()`` per signal, bit for bit. A scorer without it
+gets one ``predict()`` per signal. The replacement depends on what kind of fault won:
 
 * a *level* fault (``drift``): the signal's normal mean from the manifest, plus noise of
   its normal step size;
@@ -54,11 +58,14 @@ stage: a model that fails to load never reaches it and the old one keeps serving
 from __future__ import annotations
 
 import asyncio
+import math
+import operator
 import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -108,9 +115,16 @@ class PreparedModel:
     columns: npt.NDArray[np.intp] | None
     signals: tuple[str, ...]
     #: Per-signal normal mean (manifest) and a fixed pattern of normal step noise, for
-    #: occlusion (see the module docstring).
+    #: occlusion (see the module docstring); level_ref is their sum (the drift reference).
     normal_mean: FloatArray
     step_noise: FloatArray
+    level_ref: FloatArray
+    #: The window's median plus step_noise (the dynamics-fault reference), buffered.
+    median_ref: MedianReference
+    #: ``occluded(values, ref)``: the probabilities with each signal in turn taken from
+    #: ``ref``, one row per signal, right after ``model.predict(values)`` (the model's
+    #: batched ``predict_occluded`` reusing that call's int8 input, when it has one).
+    occluded: Callable[[FloatArray, FloatArray], FloatArray]
 
     @property
     def sha256(self) -> str:
@@ -298,7 +312,14 @@ class ReasoningStage:
         if m.signals != per.signals:
             columns = np.array([per.signals.index(s) for s in m.signals], dtype=np.intp)
         mean, noise = _occlusion_constants(m)
-        model.predict(mean + noise)  # warm-up, see above
+        level_ref = mean + noise
+        model.predict(level_ref)  # warm-up, see above
+        batched = getattr(model, "predict_occluded", None)
+        occluded = (
+            partial(batched, after_predict=True)
+            if callable(batched)
+            else partial(_occluded_one_by_one, model)
+        )
         prepared = PreparedModel(
             model=model,
             rules=compiled,
@@ -306,13 +327,16 @@ class ReasoningStage:
             signals=m.signals,
             normal_mean=mean,
             step_noise=noise,
+            level_ref=level_ref,
+            median_ref=MedianReference(noise),
+            occluded=occluded,
         )
-        # The first attribution in a process also pays one-time costs (~35 ms measured,
-        # numpy's lazily set-up median among them): pay them here, not on the first alarm.
+        # The first attribution in a process also pays one-time costs (ms: the batched
+        # interpreter's first invoke allocates): pay them here, not on the first alarm.
         if compiled.top_k:
             for label in compiled.labels:
                 if label != NORMAL:
-                    _occlusion(prepared, mean + noise, label, 1.0)
+                    _occlusion(prepared, level_ref, label, 1.0)  # right after its predict
         return prepared
 
     def swap(self, prepared: PreparedModel) -> Scorer:
@@ -359,7 +383,9 @@ class ReasoningStage:
         breaker = self.breaker
         mode = breaker.mode
         allowed, fired = rules.masks(window.values)
-        finding = dropout_finding(window.signals, window.stale)
+        # One look at the stale flags, shared by the dropout rule and the held columns.
+        any_stale = True in window.stale.tolist()
+        finding = dropout_finding(window.signals, window.stale) if any_stale else None
         if finding is not None:
             fired.append(finding)
         levels: dict[str, Level] = {DROPOUT: Level.BELOW if finding is None else Level.ABOVE}
@@ -369,7 +395,7 @@ class ReasoningStage:
         ran = breaker.should_run()
         if ran:
             values, plist, label, score = _score(
-                active, window, self._held_signals(window), allowed
+                active, window, self._held_signals(window, any_stale), allowed
             )
             levels.update(rules.levels(plist, allowed))
             probabilities = dict(zip(rules.labels, plist, strict=True))
@@ -452,22 +478,27 @@ class ReasoningStage:
             latency_ms=(self.timer() - t0) / 1e6,
         )
 
-    def _held_signals(self, window: Window) -> npt.NDArray[np.bool_] | None:
+    def _held_signals(self, window: Window, any_stale: bool) -> npt.NDArray[np.bool_] | None:
         """Signals whose column is (partly) a held value, or None when there are none.
 
-        ``stale`` is the state at the window's last point. A signal stale at the end of the
-        previous window and fresh again now was still held at the start of this one.
+        ``stale`` is the state at the window's last point (``any_stale``: one of them is
+        set). A signal stale at the end of the previous window and fresh again now was
+        still held at the start of this one.
         """
         stale = window.stale
         # Not seen yet at the window's start (the agent just started, a source joined late):
         # NaN up to its first sample, then a jump, which reads as a spike. Neutralise it too.
-        missing = np.isnan(window.values[0])
-        if missing.any():
-            stale = stale | missing
+        # (A sum of the first row is NaN when one of its values is: one cheap test first.)
+        first = window.values[0]
+        if math.isnan(sum(first.tolist())):
+            missing = np.isnan(first)
+            if missing.any():
+                stale = stale | missing
+                any_stale = True
         prev = self._prev_stale
         if prev is not None and window.seq == self._prev_seq + 1:
             return stale | prev
-        return stale if stale.any() else None
+        return stale if any_stale else None
 
     # -- reporting ------------------------------------------------------------------------
 
@@ -541,27 +572,78 @@ LEVEL_LABELS = frozenset({"drift"})
 def _occlusion(
     active: PreparedModel, values: FloatArray, label: str, base: float
 ) -> tuple[tuple[str, float], ...]:
-    """Contribution of each signal to ``label`` (see the module docstring)."""
-    x = np.array(values, dtype=np.float32, copy=True)
-    mean = active.normal_mean
+    """Contribution of each signal to ``label`` (see the module docstring).
+
+    Call it right after the model scored ``values`` (``active.occluded`` reuses that run).
+    """
     if label in LEVEL_LABELS:
-        ref = mean + active.step_noise
+        ref = active.level_ref
     else:
-        # A never-seen signal (NaN) sits at its normal mean, as the model's features see it.
-        level = np.median(np.where(np.isnan(x), mean, x), axis=0)
-        ref = level + active.step_noise
+        x = values
+        if math.isnan(np.add.reduce(x, axis=None)):
+            # A never-seen signal (NaN) sits at its normal mean, as the model's features see it.
+            x = np.where(np.isnan(x), active.normal_mean, x)
+        ref = active.median_ref(x)
     index = active.rules.labels.index(label)
-    model = active.model
+    probs: list[float] = active.occluded(values, ref)[:, index].tolist()
     drops: list[tuple[str, float]] = []
-    for i, name in enumerate(active.signals):
+    for name, p in zip(active.signals, probs, strict=True):
+        if base - p > 0.0:
+            drops.append((name, base - p))
+    drops.sort(key=_second, reverse=True)  # stable: ties keep the signal order
+    return tuple(drops[: active.rules.top_k])
+
+
+_second = operator.itemgetter(1)
+
+
+def _occluded_one_by_one(model: Scorer, values: FloatArray, ref: FloatArray) -> FloatArray:
+    """``occluded`` for a scorer without a batched ``predict_occluded``: one run per signal."""
+    x = np.array(values, dtype=np.float32, copy=True)
+    rows = []
+    for i in range(x.shape[1]):
         saved = x[:, i].copy()
         x[:, i] = ref[:, i]
-        drop = base - float(model.predict(x)[index])
+        rows.append(model.predict(x))
         x[:, i] = saved
-        if drop > 0.0:
-            drops.append((name, drop))
-    drops.sort(key=lambda d: d[1], reverse=True)
-    return tuple(drops[: active.rules.top_k])
+    return np.stack(rows)
+
+
+class MedianReference:
+    """``np.median(x, axis=0) + noise`` for NaN-free float32 windows, bit for bit.
+
+    The reference occlusion puts in for a fault of the dynamics. One in-place partition of
+    each column and the mean of the middle pair, as numpy's median does, into buffers made
+    once: five numpy calls instead of numpy's general-purpose median (axis handling, NaN
+    checks, temporaries: tens of µs). The alarm path is rare, so its code and data are cold
+    when it runs, and every call it makes costs several times its warm price. The result is
+    a buffer the next call overwrites.
+    """
+
+    __slots__ = ("_cols", "_hi", "_kth", "_lo", "_mid", "_noise", "_out")
+
+    def __init__(self, noise: FloatArray) -> None:
+        rows, n = noise.shape
+        half = rows // 2
+        self._noise = noise
+        self._cols = np.empty((n, rows), dtype=np.float32)
+        self._kth = (half,) if rows % 2 else (half - 1, half)
+        self._lo = self._cols[:, self._kth[0]]
+        self._hi = self._cols[:, half]
+        self._mid = np.empty(n, dtype=np.float32)
+        self._out = np.empty((rows, n), dtype=np.float32)
+
+    def __call__(self, x: FloatArray) -> FloatArray:
+        cols = self._cols
+        np.copyto(cols, x.T)
+        cols.partition(self._kth, axis=1)
+        mid = self._hi
+        if len(self._kth) == 2:
+            mid = self._mid
+            np.add(self._lo, self._hi, out=mid)
+            np.multiply(mid, 0.5, out=mid)  # == / 2 exactly (a power of two)
+        np.add(mid, self._noise, out=self._out)
+        return self._out
 
 
 def _occlusion_constants(m: ModelManifest) -> tuple[FloatArray, FloatArray]:
@@ -606,6 +688,7 @@ __all__ = [
     "LEVEL_LABELS",
     "DropOldestQueue",
     "Evaluation",
+    "MedianReference",
     "ModelMismatch",
     "PreparedModel",
     "ReasoningStage",

@@ -135,7 +135,13 @@ def window_stat(column: npt.NDArray[np.float32], stat: Stat) -> float:
     if stat == "last":
         return float(column[-1])
     # Fast path (the usual case: no NaN). A NaN anywhere makes the plain reduction NaN.
-    x = float(column.mean() if stat == "mean" else column.min() if stat == "min" else column.max())
+    # min/max: the ufunc reductions ndarray.min/max run, without their Python wrapper.
+    if stat == "max":
+        x = float(np.maximum.reduce(column))
+    elif stat == "min":
+        x = float(np.minimum.reduce(column))
+    else:
+        x = float(column.mean())
     if not math.isnan(x):
         return x
     finite = column[~np.isnan(column)]
@@ -278,9 +284,14 @@ class CompiledRules:
         """The hysteresis event of every alarm label; a masked label counts as ``below``."""
         margin = self.hysteresis.margin
         out: dict[str, Level] = {}
+        thresholds = self.thresholds
         for i in range(1, len(self.labels)):
             p = float(probs[i]) if allowed[i] else 0.0
-            out[self.labels[i]] = classify(p, self.thresholds[i], margin)
+            t = thresholds[i]
+            # classify() inlined: this runs for every label on every window.
+            out[self.labels[i]] = (
+                Level.ABOVE if p >= t else Level.HOLD if p >= t - margin else Level.BELOW
+            )
         return out
 
 
@@ -302,12 +313,19 @@ class Level(enum.Enum):
     HOLD = "hold"  # threshold - margin <= p < threshold: changes nothing once raised
     BELOW = "below"  # p < threshold - margin
 
+    # Members are singletons compared by identity: hash them by identity too, in C. Enum's
+    # own __hash__ is a Python call, and the alarm machine hashes members on every window
+    # of an alarm (its table lookups) several times.
+    __hash__ = object.__hash__
+
 
 class Phase(enum.Enum):
     CLEAR = "clear"
     RAISING = "raising"  # above for fewer than raise_after windows so far
     RAISED = "raised"
     CLEARING = "clearing"  # raised, below for fewer than clear_after windows so far
+
+    __hash__ = object.__hash__  # as Level's
 
 
 #: The complete alarm machine (see the module docstring). A counting phase reached again
@@ -372,6 +390,10 @@ class AlarmTracker:
         self.states: dict[str, AlarmState] = {}
         self.raised_total = 0
         self.cleared_total = 0
+        self._active: frozenset[str] = frozenset()
+        # step() is pure and its states are few (phase x streak below the limits): each
+        # (state, level) is computed once.
+        self._next: dict[tuple[AlarmState, Level], AlarmState] = {}
 
     def update(
         self, levels: Mapping[str, Level]
@@ -385,29 +407,40 @@ class AlarmTracker:
         cleared: list[str] = []
         spec = self.spec
         states = self.states
+        changed = False
         for label, level in levels.items():
             old = states.get(label, _CLEAR)
-            new = step(old, level, spec)
+            # The usual window: a clear alarm that is not above its threshold stays clear
+            # (what step() returns for it, without building the new state).
+            if level is not Level.ABOVE and old.phase is Phase.CLEAR:
+                continue
+            new = self._next.get((old, level))
+            if new is None:
+                new = self._next[(old, level)] = step(old, level, spec)
             if new is old or new == old:
                 continue
             states[label] = new
+            changed = True
             if new.active and not old.active:
                 raised.append(label)
             elif old.active and not new.active:
                 cleared.append(label)
+        if changed:
+            self._active = frozenset(label for label, s in states.items() if s.active)
         self.raised_total += len(raised)
         self.cleared_total += len(cleared)
-        return self.active(), tuple(raised), tuple(cleared)
+        return self._active, tuple(raised), tuple(cleared)
 
     def active(self) -> frozenset[str]:
         """The labels whose alarm is up."""
-        return frozenset(label for label, s in self.states.items() if s.active)
+        return self._active
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the state of every label not in ``keep`` (a swapped-in model lost it)."""
         keep = set(keep)
         for label in [lb for lb in self.states if lb not in keep]:
             del self.states[label]
+        self._active = frozenset(label for label, s in self.states.items() if s.active)
 
 
 _CLEAR = AlarmState()

@@ -28,6 +28,7 @@ model alarm on a stale signal.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -122,14 +123,19 @@ class FeatureExtractor:
 
     __slots__ = (
         "_bad",
+        "_before",
         "_clip",
+        "_diff",
         "_g",
         "_inv_std",
         "_mean",
+        "_now",
         "_out",
         "_out3",
         "_ratio",
+        "_same",
         "_view",
+        "_z",
     )
 
     def __init__(self, spec: FeatureSpec, window: int) -> None:
@@ -141,22 +147,25 @@ class FeatureExtractor:
         self._bad = np.empty((window, n), dtype=np.bool_)
         # Group-major so every ufunc below works on contiguous rows; _view is the
         # (window, GROUPS, n) transpose the model input is read from.
-        self._g = np.zeros((GROUPS, window, n), dtype=np.float32)
-        self._view = self._g.transpose(1, 0, 2)
+        self._g = g = np.zeros((GROUPS, window, n), dtype=np.float32)
+        self._view = g.transpose(1, 0, 2)
         self._out = np.empty((window, GROUPS * n), dtype=np.float32)
         self._out3 = self._out.reshape(window, GROUPS, n)
+        # Views made once: making a view costs about as much as a small ufunc call.
+        self._z, self._diff, self._same = g[0], g[1, 1:], g[2, 1:]
+        self._now, self._before = g[0, 1:], g[0, :-1]
 
     def groups(self, values: npt.NDArray[np.floating]) -> FloatArray:
-        g = self._g
-        z, diff, same = g[0], g[1, 1:], g[2, 1:]
+        z = self._z
         np.subtract(values, self._mean, out=z)
         np.multiply(z, self._inv_std, out=z)
-        if not np.isfinite(np.add.reduce(z, axis=None)):  # rare: a NaN (never-seen) signal
+        if not math.isfinite(np.add.reduce(z, axis=None)):  # rare: a NaN (never-seen) signal
             np.isfinite(z, out=self._bad)
             np.logical_not(self._bad, out=self._bad)
             np.copyto(z, np.float32(0.0), where=self._bad)
-        np.equal(z[1:], z[:-1], out=same, casting="unsafe")
-        np.subtract(z[1:], z[:-1], out=diff)
+        diff, now, before = self._diff, self._now, self._before
+        np.equal(now, before, out=self._same, casting="unsafe")
+        np.subtract(now, before, out=diff)
         np.multiply(diff, self._ratio, out=diff)
         np.arcsinh(diff, out=diff)
         return self._view

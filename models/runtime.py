@@ -38,9 +38,11 @@ the caller keeps the model it runs):
 4. one int8 input of shape ``input.shape`` and one int8 output of shape ``output.shape``,
    both with the manifest's scale and zero point; one output per label.
 
-A :class:`LoadedModel` is not thread-safe (one interpreter, reused buffers): give each
-thread its own. ``predict()`` takes ~20 us (LiteRT) to ~40 us (tflite_runtime) on an x86
-core, so calling it inline on the event loop is fine.
+A :class:`LoadedModel` is not thread-safe (its interpreters and buffers are reused): give each
+thread its own. It holds a second interpreter of the same bytes whose input takes one window
+per signal, for occlusion attribution in one invoke (:meth:`LoadedModel.predict_occluded`).
+``predict()`` takes ~20 us (LiteRT) to ~40 us (tflite_runtime) on an x86 core, so calling it
+inline on the event loop is fine.
 """
 
 from __future__ import annotations
@@ -384,6 +386,7 @@ class _Interpreter(Protocol):
     """The part of ``tf.lite.Interpreter`` we use; both backends provide it."""
 
     def allocate_tensors(self) -> None: ...
+    def resize_tensor_input(self, input_index: int, tensor_size: Sequence[int]) -> None: ...
     def get_input_details(self) -> list[dict[str, Any]]: ...
     def get_output_details(self) -> list[dict[str, Any]]: ...
     def set_tensor(self, tensor_index: int, value: npt.NDArray[Any]) -> None: ...
@@ -455,7 +458,14 @@ class LoadedModel:
         "_in_shape",
         "_in_zp",
         "_interp",
+        "_last",
         "_normal_index",
+        "_occ",
+        "_occ_diag",
+        "_occ_in",
+        "_occ_out",
+        "_occ_q",
+        "_occ_q4",
         "_out_index",
         "_out_scale",
         "_out_zp",
@@ -464,10 +474,14 @@ class LoadedModel:
         "_qf",
         "_qhi",
         "_qlo",
+        "_ref_q3",
+        "_ref_t",
         "_threshold_array",
+        "_window_shape",
         "backend",
         "delegated",
         "manifest",
+        "occlusion_batched",
         "path",
         "sha256",
         "threads",
@@ -482,6 +496,7 @@ class LoadedModel:
         threads: int,
         interpreter: _Interpreter,
         delegated: bool,
+        occluder: _Interpreter | None = None,
     ) -> None:
         self.manifest = manifest
         self.sha256 = manifest.sha256
@@ -493,6 +508,7 @@ class LoadedModel:
         self._in_index = int(interpreter.get_input_details()[0]["index"])
         self._out_index = int(interpreter.get_output_details()[0]["index"])
         self._in_shape = manifest.input.shape
+        self._window_shape = (manifest.window, len(manifest.signals))
         self._in_inv_scale = np.float32(1.0 / manifest.input.scale)
         self._in_zp = np.float32(manifest.input.zero_point)
         self._out_scale = np.float32(manifest.output.scale)
@@ -515,6 +531,28 @@ class LoadedModel:
             dtype=np.float32,
         )
         self._normal_index = manifest.labels.index(NORMAL_LABEL)
+        # predict_occluded(): the reference's int8 input, and the batch of one occluded
+        # input per signal (signal occluded, step, group, signal) built from it and _q3.
+        n = len(manifest.signals)
+        self._last: object = None  # the values of the latest predict() (identity only)
+        self._ref_q3 = np.empty((window, groups, n), dtype=np.int8)
+        self._occ_q = np.empty((n, window, channels), dtype=np.int8)
+        self._occ_q4 = self._occ_q.reshape(n, window, groups, n)
+        # The diagonal of _occ_q4 over its two signal axes as one writable view (n, step,
+        # group), and the reference in that order: one strided copy puts each occluded
+        # signal's channels in place (an indexed assignment costs several times more).
+        b = self._occ_q4.strides
+        self._occ_diag = np.lib.stride_tricks.as_strided(
+            self._occ_q4, shape=(n, window, groups), strides=(b[0] + b[3], b[1], b[2])
+        )
+        self._ref_t = self._ref_q3.transpose(2, 0, 1)
+        self._occ = occluder
+        self.occlusion_batched = occluder is not None
+        if occluder is not None:
+            self._occ_in = int(occluder.get_input_details()[0]["index"])
+            self._occ_out = int(occluder.get_output_details()[0]["index"])
+        else:
+            self._occ_in = self._occ_out = -1
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -573,18 +611,77 @@ class LoadedModel:
 
     def predict(self, values: npt.NDArray[Any]) -> FloatArray:
         """Label probabilities ``(n_labels,)`` for one window ``(window, n_signals)``."""
-        self._check_values(values)
-        qf = self._qf
-        np.multiply(self._extract.groups(values), self._in_inv_scale, out=qf)
-        np.add(qf, self._in_zp, out=qf)
-        np.rint(qf, out=qf)
-        np.maximum(qf, self._qlo, out=qf)  # two ufuncs: several times cheaper than np.clip
-        np.minimum(qf, self._qhi, out=qf)
-        np.copyto(self._q3, qf, casting="unsafe")  # exact: integers in [-128, 127]
+        if values.shape != self._window_shape:
+            self._check_values(values)
+        self._quantize_into(self._extract.groups(values), self._qf, self._q3)
+        self._last = values
         interp = self._interp
         interp.set_tensor(self._in_index, self._q)
         interp.invoke()
-        return self.dequantize(interp.get_tensor(self._out_index))
+        # dequantize() without its checks: the output is int8 of shape (1, n_labels).
+        return cast(
+            FloatArray, self._dequant_lut.take(interp.get_tensor(self._out_index).view(np.uint8)[0])
+        )
+
+    def _quantize_into(self, features: FloatArray, qf: FloatArray, q: Int8Array) -> None:
+        """``q = quantize(clip(features))`` through the float buffer ``qf`` (same shapes)."""
+        np.multiply(features, self._in_inv_scale, out=qf)
+        np.add(qf, self._in_zp, out=qf)
+        # Clip to the quantized clip bounds, then round: the bounds are integers, so this
+        # is round-then-clip exactly (rint is monotonic and keeps integers), and rint can
+        # write the int8 input directly (exact: integers in [-128, 127]).
+        np.maximum(qf, self._qlo, out=qf)  # two ufuncs: several times cheaper than np.clip
+        np.minimum(qf, self._qhi, out=qf)
+        np.rint(qf, out=q, casting="unsafe")
+
+    def predict_occluded(
+        self, values: npt.NDArray[Any], ref: npt.NDArray[Any], *, after_predict: bool = False
+    ) -> FloatArray:
+        """Probabilities ``(n_signals, n_labels)``: row ``i`` is :meth:`predict` of ``values``
+        with its column ``i`` replaced by column ``i`` of ``ref`` (occlusion attribution).
+
+        Every feature channel reads one signal's column, so each occluded input is the int8
+        input of ``values`` with one signal's channels taken from that of ``ref``: features
+        of two windows instead of ``n_signals``, and one invoke of a second interpreter whose
+        input holds ``n_signals`` windows instead of ``n_signals`` invokes (one by one when
+        the model does not take that batch: :attr:`occlusion_batched` False). The rows equal
+        the ``n_signals`` :meth:`predict` calls exactly (the test suite checks it).
+
+        ``after_predict=True``: ``values`` is the very array of the latest :meth:`predict`
+        call, unchanged since, and its int8 input is reused instead of computed again (the
+        reasoning stage's alarm path). Another array raises ``ValueError``.
+        """
+        if after_predict:
+            if values is not self._last:
+                raise ValueError("after_predict: values is not the window of the last predict()")
+        else:
+            self._check_values(values)
+            self._quantize_into(self._extract.groups(values), self._qf, self._q3)
+            self._last = values
+        if ref.shape != self._window_shape:
+            self._check_values(ref)
+        # The float buffer of predict() is free again (its int8 result is in _q3): warm.
+        self._quantize_into(self._extract.groups(ref), self._qf, self._ref_q3)
+        np.copyto(self._occ_q4, self._q3)
+        np.copyto(self._occ_diag, self._ref_t)
+        occ = self._occ
+        if occ is not None:
+            occ.set_tensor(self._occ_in, self._occ_q)
+            occ.invoke()
+            out = occ.get_tensor(self._occ_out)
+        else:
+            out = self._invoke_one_by_one(self._occ_q)
+        return self._dequant_lut.take(out.view(np.uint8))
+
+    def _invoke_one_by_one(self, batch: Int8Array) -> Int8Array:
+        """The int8 outputs ``(len(batch), n_labels)`` of the batch-1 interpreter, row by row."""
+        out = np.empty((len(batch), len(self.manifest.labels)), dtype=np.int8)
+        interp = self._interp
+        for i in range(len(batch)):
+            interp.set_tensor(self._in_index, batch[i : i + 1])
+            interp.invoke()
+            out[i] = interp.get_tensor(self._out_index)[0]
+        return out
 
     def decide(self, probs: npt.NDArray[np.float32]) -> str:
         """The label ``probs`` alarms with under the manifest's thresholds, else ``normal``.
@@ -668,14 +765,50 @@ def load_model(
         ) from None
     _check_io("input", inputs, manifest.input, path)
     _check_io("output", outputs, manifest.output, path)
+    delegated = _is_delegated(interpreter)
     return LoadedModel(
         manifest=manifest,
         path=path,
         backend=backend_name,
         threads=threads,
         interpreter=interpreter,
-        delegated=_is_delegated(interpreter),
+        delegated=delegated,
+        occluder=_occlusion_interpreter(
+            module, data, threads=threads, options=options, manifest=manifest, delegated=delegated
+        ),
     )
+
+
+def _occlusion_interpreter(
+    module: Any,
+    data: bytes,
+    *,
+    threads: int,
+    options: Mapping[str, Any],
+    manifest: ModelManifest,
+    delegated: bool,
+) -> _Interpreter | None:
+    """A second interpreter of the same bytes taking one window per signal, or None.
+
+    None when the model's input does not resize to that batch (a fixed batch dimension), or
+    when the result is not delegated like the main interpreter: XNNPACK and the builtin
+    kernels round differently, and occlusion compares its outputs with the main one's.
+    """
+    n = len(manifest.signals)
+    try:
+        interp = cast(
+            _Interpreter, module.Interpreter(model_content=data, num_threads=threads, **options)
+        )
+        interp.resize_tensor_input(
+            int(interp.get_input_details()[0]["index"]), [n, *manifest.input.shape[1:]]
+        )
+        interp.allocate_tensors()
+        shape = tuple(int(v) for v in interp.get_output_details()[0]["shape"])
+    except (ValueError, RuntimeError):
+        return None
+    if shape != (n, manifest.output.shape[1]) or _is_delegated(interp) != delegated:
+        return None
+    return interp
 
 
 #: Backends whose interpreter does not verify the flatbuffer (a bad one crashes the process).

@@ -436,6 +436,60 @@ def test_nan_signal_counts_as_its_normal_mean(
     assert np.all(feats[1:, 2 * n :] == 1)
 
 
+def _occlusion_cases(
+    windows: npt.NDArray[np.float32],
+) -> list[tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]]:
+    """(window, reference) pairs: normal, spiking and partly never-seen windows."""
+    rng = np.random.default_rng(11)
+    cases = []
+    for k, w in enumerate(windows[:12]):
+        x = w.copy()
+        if k % 3 == 1:
+            x[30:32, k % len(SIGNALS)] += 20.0 * x[:, k % len(SIGNALS)].std() + 1.0
+        if k % 4 == 2:
+            x[:9, (k + 1) % len(SIGNALS)] = np.nan
+        ref = (np.median(w, axis=0) + rng.standard_normal(w.shape) * w.std(axis=0) / 4).astype(
+            np.float32
+        )
+        if k % 5 == 3:
+            ref[:, k % len(SIGNALS)] = np.nan
+        cases.append((x, ref))
+    return cases
+
+
+@pytest.mark.parametrize("backend", AVAILABLE)
+def test_predict_occluded_is_one_predict_per_signal(
+    backend: str, windows: npt.NDArray[np.float32]
+) -> None:
+    loaded = load_model(backend=backend)
+    assert loaded.occlusion_batched  # both backends resize the input to one row per signal
+    for x, ref in _occlusion_cases(windows):
+        expected = []
+        for i in range(len(SIGNALS)):
+            occluded = x.copy()
+            occluded[:, i] = ref[:, i]
+            expected.append(loaded.predict(occluded))
+        got = loaded.predict_occluded(x, ref)
+        np.testing.assert_array_equal(got, np.stack(expected))
+        assert got.dtype == np.float32
+        # Right after predict(x), its int8 input is reused: the same rows.
+        loaded.predict(x)
+        np.testing.assert_array_equal(loaded.predict_occluded(x, ref, after_predict=True), got)
+        # The one-by-one path (for a model whose batch does not resize) agrees too.
+        one_by_one = loaded._invoke_one_by_one(loaded._occ_q)
+        np.testing.assert_array_equal(loaded.dequantize(one_by_one).reshape(got.shape), got)
+
+
+def test_predict_occluded_after_predict_needs_that_window(
+    model: LoadedModel, windows: npt.NDArray[np.float32]
+) -> None:
+    model.predict(windows[0])
+    with pytest.raises(ValueError, match="not the window of the last predict"):
+        model.predict_occluded(windows[0].copy(), windows[1], after_predict=True)
+    with pytest.raises(ValueError, match=r"expected a window of shape \(64, 6\)"):
+        model.predict_occluded(windows[0], windows[1][:32])
+
+
 # -- the same int8 outputs on every backend --------------------------------------------------
 
 

@@ -21,13 +21,15 @@ from drivers.sim.plant import SIGNALS, parse_anomaly
 from edge_agent.breaker import BreakerSpec
 from edge_agent.errors import ModelMismatch
 from edge_agent.perception import PerceptionSpec, Window
-from edge_agent.reasoning import DropOldestQueue, ReasoningStage
+from edge_agent.reasoning import DropOldestQueue, MedianReference, ReasoningStage
 from edge_agent.rules import (
     DROPOUT,
+    AlarmTracker,
     Condition,
     ConstraintRule,
     Decision,
     HysteresisSpec,
+    Level,
     RuleSet,
 )
 from edge_agent.simwindows import T0_NS, plant_windows
@@ -203,6 +205,62 @@ def test_perception_columns_are_picked_by_name(model: LoadedModel) -> None:
         a, b = stage.process(moved, 0), plain.process(w, 0)
         assert a.probabilities == b.probabilities
         assert a.top_signals == b.top_signals
+
+
+def test_batched_occlusion_names_what_one_run_per_signal_names(model: LoadedModel) -> None:
+    """The model's one batched occlusion run and a scorer without it (one predict() per
+    signal, the fallback) give the same attribution, on every kind of fault."""
+    faults = [
+        parse_anomaly(a)
+        for a in (
+            "spike:current@10+4x8",
+            "stuck:speed@22+6",
+            "noise:vibration@34+6x2",
+            "drift:voltage@46+12x30",
+            "dropout:temperature@62+3",
+        )
+    ]
+    windows = list(plant_windows(seed=3, seconds=70, anomalies=faults))
+    batched = decide_all(ReasoningStage(model, RuleSet()), iter(windows))
+    one_by_one = decide_all(ReasoningStage(SlowModel(model), RuleSet()), iter(windows))
+    alarms = [d for d in batched if d.label != "normal"]
+    assert len({d.label for d in alarms}) >= 3, [d.label for d in alarms]
+    assert all(d.attribution == "occlusion" and d.top_signals for d in alarms)
+    assert [(d.label, d.top_signals) for d in batched] == [
+        (d.label, d.top_signals) for d in one_by_one
+    ]
+
+
+def test_median_reference_is_numpys_median_plus_noise() -> None:
+    rng = np.random.default_rng(5)
+    for rows in (64, 63, 2, 1):
+        noise = rng.standard_normal((rows, 6)).astype(np.float32)
+        ref = MedianReference(noise)
+        for _ in range(3):
+            x = (rng.standard_normal((rows, 6)) * 50 + 230).astype(np.float32)
+            x[:, 1] = np.round(x[:, 1])  # ties
+            x[:, 2] = x[0, 2]  # a flat column
+            kept = x.copy()
+            got = ref(x)
+            np.testing.assert_array_equal(got, np.median(x, axis=0) + noise)
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(x, kept)  # the window itself is left alone
+
+
+def test_tracker_active_set_follows_raise_clear_and_forget() -> None:
+    tracker = AlarmTracker(HysteresisSpec(raise_after=1, clear_after=1))
+    assert tracker.update({"spike": Level.ABOVE, "stuck": Level.ABOVE})[:2] == (
+        frozenset({"spike", "stuck"}),
+        ("spike", "stuck"),
+    )
+    assert tracker.update({"spike": Level.BELOW, "stuck": Level.HOLD}) == (
+        frozenset({"stuck"}),
+        (),
+        ("spike",),
+    )
+    tracker.forget(["spike"])
+    assert tracker.active() == frozenset()
+    assert tracker.update({"spike": Level.BELOW})[0] == frozenset()
 
 
 # -- breaker ----------------------------------------------------------------------------------
