@@ -64,6 +64,7 @@ from firmware.errors import (
     StateFileError,
     WheelRefused,
 )
+from ota.fsutil import fsync_dir
 
 if TYPE_CHECKING:
     import zipfile
@@ -246,14 +247,6 @@ class WheelLimits:
     max_name_bytes: int = 512
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Slots:
     """The A/B slots under ``root``. Not thread-safe; process-safe through ``.lock``.
 
@@ -317,7 +310,7 @@ class Slots:
             self._hook(STATE_STEP)
             os.replace(tmp, self.state_path)
             tmp = None
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except OSError as exc:
             raise StateFileError(f"{self.state_path}: cannot write: {exc.strerror}") from exc
         finally:
@@ -490,9 +483,9 @@ class Slots:
             self._hook("install:extracting")
         # Directories last, deepest first: their entries are what makes the files findable.
         for dirpath, _dirs, _files in os.walk(staging, topdown=False):
-            _fsync_dir(Path(dirpath))
+            fsync_dir(Path(dirpath))
         os.chmod(staging, 0o750)  # noqa: S103  (mkdtemp made it 0700; other dirs follow the umask)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def _swap_in(
         self, state: SlotState, target: SlotName, staging: Path, version: str, sha256: str
@@ -514,7 +507,7 @@ class Slots:
                 os.rename(slot_dir, trash)
             self._hook("install:moved_aside")
             os.rename(staging, slot_dir)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except OSError as exc:
             raise StagingError(
                 f"swapping the staged build into {slot_dir} failed: {exc.strerror}; "

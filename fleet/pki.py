@@ -33,6 +33,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fleet.errors import PkiError
+from ota.fsutil import fsync_dir
 from wire.topics import device_root
 
 Kind = Literal["device", "service", "server"]
@@ -90,14 +91,6 @@ def check_name(name: str) -> str:
 
 
 # --- durable files -----------------------------------------------------------------------
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_durable(path: Path, data: bytes, *, mode: int = 0o644, overwrite: bool = True) -> None:

@@ -9,19 +9,24 @@ import os
 from datetime import UTC, datetime
 from pathlib import Path
 
+# One fsync_dir for every package (edge_agent may import ota); re-exported for memory/.
+from ota.fsutil import fsync_dir
+
+__all__ = [
+    "atomic_write_bytes",
+    "fsync_dir",
+    "fsync_file",
+    "iso_utc",
+    "sha256_file",
+    "sidecars",
+    "utc_stamp",
+]
+
 _CHUNK = 1 << 20
 
 
 def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
