@@ -15,10 +15,13 @@ from typer.testing import CliRunner
 from fleet.cli import app
 from fleet.rollout.orchestrator import request
 from models import load_model
+from ota.build import model_bundle_payloads
 from ota.updater import Updater
 from tests.mqtt_broker import Mosquitto, mosquitto
 from tests.ota_support import Signer, model_members
 from tests.rollout_support import dump, fleet, model_bundle, wait_for
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -167,3 +170,25 @@ def test_rollout_cli_create_status_list_pause_resume(tmp_path: Path, broker: Mos
         res = runner.invoke(app, ["rollout", "status", rid, *base])
         assert res.exit_code == 0
         assert "completed" in res.stdout
+
+
+def test_a_slow_model_halts_at_the_first_wave_and_those_devices_roll_back(
+    tmp_path: Path, broker: Mosquitto
+) -> None:
+    slow = REPO / "models" / "motor_drive_slow"
+    with fleet(tmp_path, broker, 10) as f:
+        factory = load_model().sha256
+        members = model_bundle_payloads(slow)
+        # 3 s at 10 windows/s: 30 windows, enough for the device's regression rule.
+        bundle = f.signer.bundle(
+            tmp_path / "v3.efb", members, version="3.0.0", counter=3,
+            probation={"seconds": 3, "min_windows": 5},
+        )  # fmt: skip
+        rid = f.create(bundle, waves=(0.2, 1.0), min_devices=1, max_failure=0.0)
+        r = f.wait_state(rid, {"completed", "halted"}, timeout=90)
+        assert r.state == "halted", dump(r)
+        wave1 = list(r.waves[0])
+        assert all(r.devices[n].state == "rolled_back" for n in wave1), dump(r)
+        assert all("latency regression" in r.devices[n].reason for n in wave1)
+        assert all(r.devices[n].attempts == 0 for n in r.waves[1]), "the halt held wave 2"
+        wait_for(lambda: set(f.serving().values()) == {factory}, 20, "wave 1 back on factory")
