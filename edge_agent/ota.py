@@ -405,6 +405,8 @@ class AgentOta:
             self._observing = False
         if j.state == "idle":
             self._target_sha = ""
+            if self.agent.uplink is not None and j.last is not None:
+                self.agent.uplink.announce()
         self._pending.append((j, reason, detail))
         self.flush_reports()
 

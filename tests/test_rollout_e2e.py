@@ -45,6 +45,13 @@ def test_a_good_model_rolls_out_wave_by_wave_to_50_agents(
         assert {"dev-47", "dev-48", "dev-49"} <= set(r.waves[-1])
         assert set(f.serving().values()) == {new_sha}
         assert all(d.attempts == 1 for d in r.devices.values())
+        # The registry learns the new model from the devices' re-announced state.
+        st = f.store()
+        try:
+            wait_for(lambda: {d.model_sha256 for d in st.devices()} == {new_sha}, 20,
+                     "the registry showing the new model")  # fmt: skip
+        finally:
+            st.close()
 
 
 def test_a_bundle_with_a_bad_signature_fails_everywhere_without_retries_and_halts(

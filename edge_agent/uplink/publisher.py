@@ -265,6 +265,13 @@ class Uplink:
 
     # -- messages of our own -------------------------------------------------------------------
 
+    def announce(self) -> None:
+        """Publish the retained ``online`` state again: the versions in it changed (an OTA
+        update committed or rolled back), and the fleet's registry reads them from there."""
+        client = self._client
+        if client is not None and self._connected:
+            client.publish(self.state_topic, self._state("online", clean=True), qos=1, retain=True)
+
     def _state(self, state: str, clean: bool) -> bytes:
         fields: dict[str, Any] = {
             "device": self.device,
