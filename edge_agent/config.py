@@ -453,6 +453,7 @@ def _check(model: AgentConfigModel, base: Path) -> list[str]:
     errors.extend(model.memory.check(per.signals))
     errors.extend(model.schedule.check())
     errors.extend(resolve_uplink(model.uplink, base).check(per.signals))
+    errors.extend(model.ota.check(base))
     seen: set[str] = set()
     for k, sig in enumerate(per.signals):
         if sig in seen:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import Field
 
 from edge_agent._schema import Name, StrictModel
+
+#: What a bundle may ask for (``required_permissions``) and a device may grant.
+PERMISSIONS = frozenset({"model:swap", "config:write", "agent:replace"})
 
 
 class OtaSection(StrictModel):
@@ -24,3 +28,20 @@ class OtaSection(StrictModel):
     stall_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
     #: A/B slots for agent builds (the launcher's --slots); default: state_dir/slots.
     slots_dir: Annotated[str, Field(min_length=1)] | None = None
+
+    def check(self, base: Path) -> list[str]:
+        """What a typo here would make fail only at the first update."""
+        errors: list[str] = []
+        if self.trust_root is not None:
+            root = Path(self.trust_root)
+            root = root if root.is_absolute() else base / root
+            if not root.is_file():
+                errors.append(
+                    f"ota.trust_root: file not found: {self.trust_root!r} (resolved to {root})"
+                )
+        unknown = sorted(set(self.permissions) - PERMISSIONS)
+        if unknown:
+            errors.append(
+                f"ota.permissions: unknown {unknown}; expected some of {sorted(PERMISSIONS)}"
+            )
+        return errors

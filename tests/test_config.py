@@ -381,3 +381,16 @@ def test_no_source_at_all() -> None:
     assert errors[0] == (
         "sources: no source configured; expected at least one of modbus, can, replay"
     )
+
+
+def test_ota_section_names_a_missing_trust_root_and_unknown_permissions(tmp_path: Path) -> None:
+    example = Path(__file__).parents[1] / "examples" / "agent.toml"
+    text = example.read_text().replace(
+        'permissions = ["model:swap", "config:write"]',
+        'permissions = ["model:swap", "firmware:flash"]\ntrust_root = "no-such-root.json"',
+    )
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, base_dir=example.parent)
+    errors = "\n".join(info.value.errors)
+    assert "ota.trust_root: file not found: 'no-such-root.json'" in errors
+    assert "ota.permissions: unknown ['firmware:flash']" in errors
