@@ -63,14 +63,6 @@ def ota_dir(state_dir: Path) -> Path:
     return state_dir / "ota"
 
 
-def _rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class AgentOta:
     """The agent's side of OTA: an :class:`ota.updater.Activator` plus the wiring."""
 
@@ -339,7 +331,7 @@ class AgentOta:
     def baseline(self) -> Baseline:
         stage = self.agent.stage
         lat = list(stage.stats.reasoning_us)[-1000:] if stage is not None else []
-        return Baseline(_quantile(lat, 0.5), _rss_bytes(), _quantile(lat, 0.99))
+        return Baseline(_quantile(lat, 0.5), self.agent.rss_bytes(), _quantile(lat, 0.99))
 
     def begin_observing(self) -> None:
         self._latencies.clear()
@@ -365,7 +357,7 @@ class AgentOta:
             errors=errors,
             p50_us=_quantile(list(self._latencies), 0.5),
             p99_us=_quantile(list(self._latencies), 0.99),
-            rss_bytes=_rss_bytes(),
+            rss_bytes=self.agent.rss_bytes(),
             health_ok=0,
             health_failed=0,
             last_error="reasoning stage raised" if errors else "",

@@ -285,6 +285,14 @@ class Agent:
         """The health API's bound port once it runs (useful with ``port = 0``)."""
         return self._api.port if self._api is not None else None
 
+    def rss_bytes(self) -> int | None:
+        """This process's resident memory (the OTA probation's memory rule), or None."""
+        try:
+            with open("/proc/self/statm", "rb") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return None
+
     def request_restart(self, why: str) -> None:
         """Stop as on SIGTERM, then have the CLI exit with :data:`EXIT_RESTART`."""
         self.restart_requested = why
