@@ -31,6 +31,7 @@ imports :class:`ApiSection`, and ``edge-agent check`` has no use for an HTTP ser
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import math
@@ -186,6 +187,13 @@ class HealthApi:
         """``{"path": FILE}`` to install (the bundle is verified like any other; the API only
         listens on loopback) or ``{"kind": "model"}`` to roll back."""
         action = request.match_info["action"]
+        if not _loopback(self.section.host):
+            # Installing and rolling back have no authentication of their own: only a
+            # process on the gateway may ask (the bundle is verified all the same).
+            return _json({"error": "OTA requests need [api] host on loopback"}, status=403)
+        if request.content_type != "application/json":
+            # A browser's cross-site form or text/plain post does not get this far.
+            return _json({"error": "expected Content-Type application/json"}, status=415)
         try:
             body = await request.json()
         except ValueError:
@@ -218,6 +226,15 @@ class HealthApi:
         except Exception as exc:
             log.exception("health API: %s %s failed", request.method, request.path)
             return _json({"error": f"{type(exc).__name__}: {exc}"}, status=500)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _too_large(message: str) -> web.Response:

@@ -21,9 +21,11 @@ Offers arrive on ``.../cmd/ota`` (:class:`wire.OtaCommand`); every transition go
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
+import shutil
 import time
 from collections import deque
 from collections.abc import Callable
@@ -397,10 +399,24 @@ class AgentOta:
             self._observing = False
         if j.state == "idle":
             self._target_sha = ""
+            self._prune(j)
             if self.agent.uplink is not None and j.last is not None:
                 self.agent.uplink.announce()
         self._pending.append((j, reason, detail))
         self.flush_reports()
+
+    def _prune(self, j: Journal) -> None:
+        """Forget models nothing can come back to: only the live, the kept and the factory
+        ones stay in memory and under ``ota/models``."""
+        keep = j.payloads_in_use() | {self.factory_sha, self.agent._model_sha256()}
+        for sha in [s for s in self._retired if s not in keep]:
+            del self._retired[sha]
+        models = self.dir / "models"
+        if models.is_dir():
+            prefixes = {s[:16] for s in keep}
+            for d in models.iterdir():
+                if d.is_dir() and d.name not in prefixes:
+                    shutil.rmtree(d, ignore_errors=True)
 
     def flush_reports(self) -> None:
         uplink = self.agent.uplink
@@ -441,6 +457,9 @@ class AgentOta:
             log.warning("ota: command refused: %s", exc)
             return
         if self._task is not None and not self._task.done():
+            if cmd.action == "install":
+                self._report_busy(cmd.bundle_id, "another update is in progress")
+                return
             if cmd.action == "rollback":
                 coro = self.updater.rollback(cmd.kind or "model", bundle_id=cmd.bundle_id)
                 task = asyncio.get_running_loop().create_task(coro, name="ota:rollback")
@@ -457,7 +476,37 @@ class AgentOta:
                 cmd.url, length=cmd.length, bundle_id=cmd.bundle_id,
                 incoming_name=f"{cmd.bundle_id}.efb",
             )  # fmt: skip
-        self._task = asyncio.get_running_loop().create_task(coro, name=f"ota:{cmd.bundle_id}")
+        task = asyncio.get_running_loop().create_task(coro, name=f"ota:{cmd.bundle_id}")
+        task.add_done_callback(functools.partial(self._finished, cmd.bundle_id))
+        self._task = task
+
+    def _finished(self, bundle_id: str, task: asyncio.Task[Outcome | None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("ota: update of %s failed: %r", bundle_id, exc, exc_info=exc)
+            return
+        outcome = task.result()
+        if outcome is not None and outcome.result == "busy":
+            # Nothing moved in the journal, so no status went out: the fleet hears "busy"
+            # (transient) and offers again later, instead of waiting for its timeout.
+            self._report_busy(bundle_id, outcome.reason)
+
+    def _report_busy(self, bundle_id: str, why: str) -> None:
+        uplink = self.agent.uplink
+        if uplink is None:
+            return
+        build = _status_builder(
+            device=self.agent.config.agent.device,
+            bundle_id=bundle_id,
+            state="failed",
+            kind=None,
+            version="",
+            reason=why,
+            detail={"code": "busy", "permanent": False},
+        )
+        uplink.publish("ota/status", build)
 
     # -- the CLI's and the API's view ----------------------------------------------------------
 

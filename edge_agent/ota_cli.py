@@ -87,7 +87,7 @@ def status(config: ConfigOpt = DEFAULT_CONFIG, as_json: JsonOpt = False) -> None
         st = doc.get("ota", {})
         source = "agent"
     except _AgentDown:
-        journal, warning = load_journal(ota_dir(cfg.state_dir) / "journal.json")
+        journal, warning = load_journal(ota_dir(cfg.state_dir) / "journal.json", repair=False)
         st = {**describe(journal), "warning": warning}
         source = "journal (agent not running)"
     if as_json:

@@ -21,8 +21,11 @@ log = logging.getLogger(__name__)
 MAX_JOURNAL_BYTES = 1024 * 1024
 
 
-def load(path: Path) -> tuple[Journal, str]:
-    """The journal at ``path`` (empty if none) and a warning when it had to be reset."""
+def load(path: Path, *, repair: bool = True) -> tuple[Journal, str]:
+    """The journal at ``path`` (empty if none) and a warning when it had to be reset.
+
+    ``repair=False`` (a reader such as ``edge-agent ota status``) leaves a damaged file where
+    it is for the agent to deal with."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -32,6 +35,8 @@ def load(path: Path) -> tuple[Journal, str]:
     try:
         return _parse(data), ""
     except (ValueError, KeyError, TypeError) as exc:
+        if not repair:
+            return Journal(), f"OTA journal {path} unreadable ({exc})"
         aside = path.with_name(f"{path.name}.corrupt-{time.time_ns()}")
         path.replace(aside)
         why = f"OTA journal {path} unreadable ({exc}); moved to {aside.name}, factory versions run"

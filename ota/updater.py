@@ -202,9 +202,10 @@ class Updater:
         if self._lock.locked():
             return Outcome("busy", f"an update is in progress ({self.journal.state})", "busy")
         async with self._lock:
+            self._abort.clear()
             up = Update(bundle_id=bundle_id or path.name, source=str(path))
             self._go("install", update=up)
-            return await self._verify_and_apply(path, keep_source=True)
+            return await self._guarded(self._verify_and_apply(path, keep_source=True))
 
     async def install_url(
         self, url: str, *, length: int, bundle_id: str, incoming_name: str
@@ -215,18 +216,45 @@ class Updater:
             why = "the same offer is in progress" if same else "another update is in progress"
             return Outcome("busy", why, "busy")
         async with self._lock:
+            self._abort.clear()
             self._go("offer", update=Update(bundle_id=bundle_id, source=url))
-            dest = self.store.incoming / incoming_name
-            try:
-                if self._fetch is None:
-                    raise FetchError("no bundle transport configured on this device")
-                await self._fetch(url, dest, length=length)
-            except OtaError as exc:
-                detail = {"code": exc.code, "permanent": exc.permanent}
-                self._go("rejected", reason=str(exc), detail=detail)
-                return Outcome("failed", str(exc), exc.code)
-            self._go("fetched", detail={"bytes": length})
-            return await self._verify_and_apply(dest, keep_source=False)
+            return await self._guarded(self._fetch_and_apply(url, length, incoming_name))
+
+    async def _fetch_and_apply(self, url: str, length: int, incoming_name: str) -> Outcome:
+        dest = self.store.incoming / incoming_name
+        try:
+            if self._fetch is None:
+                raise FetchError("no bundle transport configured on this device")
+            await self._fetch(url, dest, length=length)
+        except OtaError as exc:
+            detail = {"code": exc.code, "permanent": exc.permanent}
+            self._go("rejected", reason=str(exc), detail=detail)
+            return Outcome("failed", str(exc), exc.code)
+        self._go("fetched", detail={"bytes": length})
+        return await self._verify_and_apply(dest, keep_source=False)
+
+    async def _guarded(self, work: Awaitable[Outcome]) -> Outcome:
+        """Run one update; an error that is not an OtaError (a disk that cannot be read, a
+        bug) must not leave the journal mid-update with nobody to finish it."""
+        try:
+            return await work
+        except asyncio.CancelledError:
+            raise
+        # The journal must end in a state (see above): any exception, logged with its trace.
+        except Exception as exc:
+            log.exception("ota: update failed unexpectedly in %s", self.journal.state)
+            why = f"internal error while {self.journal.state}: {type(exc).__name__}: {exc}"
+            state = self.journal.state
+            if state in ("fetching", "verifying", "staged"):
+                self._go("rejected", reason=why, detail={"code": "internal", "permanent": False})
+                return Outcome("failed", why, "internal")
+            if state == "activating":
+                self._go("activation_failed", reason=why)
+            elif state == "probation":
+                self._go("failed", reason=why)
+            if self.journal.state == "rolling_back":
+                return await self._rollback(why)
+            return Outcome("failed", why, "internal")
 
     async def _verify_and_apply(self, path: Path, *, keep_source: bool) -> Outcome:
         try:
@@ -244,6 +272,10 @@ class Updater:
             detail = {"code": exc.code, "permanent": exc.permanent}
             self._go("rejected", reason=str(exc), detail=detail)
             return Outcome("failed", str(exc), exc.code)
+        except OSError as exc:  # the device's disk, not the bundle: worth another offer
+            why = f"staging failed: {exc}"
+            self._go("rejected", reason=why, detail={"code": "storage", "permanent": False})
+            return Outcome("failed", why, "storage")
         target = _installed(vb)
         limits = vb.signed.probation
         assert self.journal.update is not None  # set by offer/install, under the lock
@@ -283,7 +315,6 @@ class Updater:
             up.baseline_rss if up else None,
             up.baseline_p99_us if up else None,
         )
-        self._abort.clear()
         self.activator.begin_observing()
         started = self.clock()
         health_ok = health_failed = streak = 0
@@ -348,27 +379,53 @@ class Updater:
                 self.last_rollback_ms = (time.perf_counter() - self._failed_at) * 1000.0
                 self._failed_at = None
         except OtaError as exc:
-            # The rollback target cannot be brought back: stay in a safe state (the
-            # activator keeps whatever serves now), say so, and do not loop.
+            # The rollback target cannot be brought back: try the factory version, else
+            # keep what serves now. Either way the journal says what really runs, the
+            # report says why, and nothing loops.
             why = f"{why}; rollback target unavailable: {exc}"
+            done, live = await self._fallback(back)
+            if up is not None:
+                self.journal = replace(self.journal, update=replace(up, replaced=live))
+                _journal.save(self.journal_path, self.journal)
             log.error("ota: %s", why)
-            done = True
         self._go("rolled_back", reason=why)
         if not done:
             return Outcome("restart", why)
         return Outcome("rolled_back", why)
+
+    async def _fallback(self, failed: Installed | None) -> tuple[bool, Installed | None]:
+        """After the rollback target failed to come back: the factory version if that was
+        not it, else the version serving now. Returns (done, what is live)."""
+        up = self.journal.update
+        if failed is not None:
+            try:
+                return await self.activator.restore(None, self.store), None
+            except OtaError as exc:
+                log.error("ota: the factory version does not come back either: %s", exc)
+        current = up.target if up is not None else None
+        return True, current
 
     async def rollback(self, kind: str, *, bundle_id: str = "") -> Outcome:
         """Abort a probation, or bring back the previous committed version of ``kind``.
 
         ``bundle_id`` (a fleet's rollback command) is what the status reports carry, so
         the rollout that asked sees the answer."""
-        if self.journal.state == "probation":
-            self._abort.set()
-            return Outcome("rolled_back", "abort requested")
+        up = self.journal.update
         if self._lock.locked():
-            return Outcome("busy", f"an update is in progress ({self.journal.state})", "busy")
-        if not self.journal.kept.get(kind) and kind not in self.journal.active:
+            if up is not None and bundle_id and up.bundle_id != bundle_id:
+                why = f"rollback of {bundle_id} ignored: updating {up.bundle_id}"
+                return Outcome("failed", why, "not_active")
+            # The update in flight stops at its probation (or before it goes live) and
+            # rolls back: a rollback that arrives while it downloads is not lost.
+            self._abort.set()
+            return Outcome("rolled_back", f"abort requested ({self.journal.state})")
+        active = self.journal.active.get(kind)
+        if bundle_id and (active is None or active.bundle_id != bundle_id):
+            # A fleet's rollback of a bundle that is not the live one (a redelivery, or an
+            # offer that was refused): rolling back again would remove the wrong version.
+            why = f"{bundle_id} is not the live {kind}: nothing to roll back"
+            return Outcome("failed", why, "not_active")
+        if not self.journal.kept.get(kind) and active is None:
             return Outcome(
                 "failed", f"nothing to roll back: the factory {kind} is already live", "none"
             )

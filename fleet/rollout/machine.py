@@ -28,6 +28,7 @@ broker or a sleep:
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
@@ -276,7 +277,13 @@ def _regressed(p: Params, detail: dict[str, Any]) -> bool:
 
     def num(key: str) -> float | None:
         v = detail.get(key)
-        return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+        if not isinstance(v, int | float) or isinstance(v, bool):
+            return None
+        try:
+            f = float(v)
+        except OverflowError:  # an integer past float range: not a figure
+            return None
+        return f if math.isfinite(f) else None
 
     windows = num("windows") or 0
     grow = 1 + p.p99_regression_pct / 100

@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("http", "coap")
 #: How long a halted, aborted or completed rollout still takes late status reports.
 LINGER_S = 600.0
+#: How far back each step re-reads stored status reports (late commits of a batch).
+CURSOR_OVERLAP_S = 30.0
 
 
 class RolloutError(FleetError):
@@ -135,7 +137,11 @@ def create_rollout(
     now = now_ns if now_ns is not None else time.time_ns()
     existing = store.rollouts()
     active = [r for r in existing if r[1] in ("running", "paused")]
-    rollout_id = f"r{len(existing) + 1}"
+    taken = {rid for rid, _, _ in existing}
+    n = len(existing) + 1
+    while f"r{n}" in taken:
+        n += 1
+    rollout_id = f"r{n}"
     waves = plan(rollout_id, candidates(store), selector, params.waves)
     if not waves:
         raise RolloutError(f"no registered device matches --select {_selector_text(selector)}")
@@ -161,7 +167,9 @@ def create_rollout(
         params=params,
         now_ns=now,
     )
-    store.save_rollout(r.id, r.state, json.dumps({**r.to_json(), "transport": transport}), now)
+    doc = json.dumps({**r.to_json(), "transport": transport})
+    if not store.insert_rollout(r.id, r.state, doc, now):
+        raise RolloutError(f"rollout id {r.id} was taken meanwhile (two creates at once); retry")
     return r
 
 
@@ -210,6 +218,7 @@ class Orchestrator:
         self.ignored = 0
         self._sites: dict[str, str] = {}
         self._unsent: list[tuple[str, m.Command, str, bytes]] = []
+        self._bad_docs: set[str] = set()
 
     def _site(self, device: str) -> str | None:
         if device not in self._sites:
@@ -225,7 +234,14 @@ class Orchestrator:
         recent = now - int(LINGER_S * 1e9)
         rollouts = {}
         for rid, state, doc in self.store.rollouts():
-            r, transport = load(doc)
+            try:
+                r, transport = load(doc)
+            except (ValueError, KeyError, TypeError) as exc:
+                # One damaged document must not stop every other rollout.
+                if rid not in self._bad_docs:
+                    self._bad_docs.add(rid)
+                    log.error("rollout %s: its stored state is unreadable (%s); skipped", rid, exc)
+                continue
             if state in ("running", "paused") or r.updated_ns >= recent:
                 rollouts[rid] = (r, transport)
         changed: set[str] = set()
@@ -249,29 +265,49 @@ class Orchestrator:
             if self.cursor is None:
                 # After a (re)start: every status since the oldest active rollout began.
                 self.cursor = min(r.created_ns for r, _ in rollouts.values()) - 1
-            by_bundle = {r.bundle_id: rid for rid, (r, _) in rollouts.items()}
-            for received, body in self.store.ota_status_since(self.cursor):
+            # A device's report belongs to the rollout that holds that device for that
+            # bundle: an active one first, then the newest (two rollouts may share a bundle).
+            owners: dict[tuple[str, str], str] = {}
+            for rid, (r, _) in sorted(
+                rollouts.items(),
+                key=lambda kv: (kv[1][0].state in ("running", "paused"), kv[1][0].created_ns),
+            ):
+                for device in r.devices:
+                    owners[(r.bundle_id, device)] = rid
+            # Rows are stamped on arrival and committed in batches (several workers, retries):
+            # a row may land below the cursor. Re-reading a trailing window catches it; the
+            # machine ignores what it applied already ((boot_id, seq) order).
+            since = self.cursor - int(CURSOR_OVERLAP_S * 1e9)
+            for received, body in self.store.ota_status_since(since):
                 self.cursor = max(self.cursor, received)
                 try:
                     msg = decode("ota/status", body)
                 except WireError:
                     self.ignored += 1
                     continue
-                owner = by_bundle.get(msg.bundle_id) if isinstance(msg, OtaStatusMsg) else None
-                if owner is None or not isinstance(msg, OtaStatusMsg):
+                if not isinstance(msg, OtaStatusMsg):
+                    continue
+                owner = owners.get((msg.bundle_id, msg.device))
+                if owner is None:
                     continue
                 r, transport = rollouts[owner]
-                nxt = m.on_status(
-                    r,
-                    device=msg.device,
-                    boot_id=msg.boot_id,
-                    seq=msg.seq,
-                    bundle_id=msg.bundle_id,
-                    state=msg.state,
-                    reason=msg.reason,
-                    detail=dict(msg.detail),
-                    now_ns=now,
-                )
+                try:
+                    nxt = m.on_status(
+                        r,
+                        device=msg.device,
+                        boot_id=msg.boot_id,
+                        seq=msg.seq,
+                        bundle_id=msg.bundle_id,
+                        state=msg.state,
+                        reason=msg.reason,
+                        detail=dict(msg.detail),
+                        now_ns=now,
+                    )
+                except (ValueError, TypeError, ArithmeticError) as exc:
+                    # A device's odd report is that report's problem, not the service's.
+                    self.ignored += 1
+                    log.warning("rollout %s: report from %s ignored: %s", owner, msg.device, exc)
+                    continue
                 if nxt != r:
                     rollouts[owner] = (nxt, transport)
                     changed.add(owner)
@@ -457,6 +493,8 @@ async def _serve(cfg: RolloutService, stop: threading.Event) -> None:
                     await asyncio.to_thread(orch.step)
                 except FleetError as exc:
                     log.error("rollouts: %s", exc)
+                except Exception:  # a bug must not silently end the rollout service
+                    log.exception("rollouts: step failed; retrying at the next tick")
                 await asyncio.sleep(cfg.tick_s)
     finally:
         mq.stop()

@@ -197,6 +197,10 @@ class Store(Protocol):
         """``device -> (group, tier)`` for every registered device."""
         ...
 
+    def insert_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> bool:
+        """Create a rollout; False (nothing written) when the id exists already."""
+        ...
+
     def save_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> None:
         """Insert or replace a rollout's whole state (one JSON document)."""
         ...

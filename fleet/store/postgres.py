@@ -424,6 +424,18 @@ class PostgresStore:
 
         return self._run("labels", go)
 
+    def insert_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> bool:
+        def go(db: psycopg.Connection[tuple[Any, ...]]) -> bool:
+            with db.transaction():
+                cur = db.execute(
+                    "INSERT INTO rollouts (id, state, created_ns, updated_ns, doc) "
+                    "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
+                    (rollout_id, state, now_ns, now_ns, doc),
+                )
+                return cur.rowcount == 1
+
+        return self._run("insert_rollout", go)
+
     def save_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> None:
         def go(db: psycopg.Connection[tuple[Any, ...]]) -> None:
             with db.transaction():

@@ -363,6 +363,18 @@ class SqliteStore:
 
         return self._run("labels", go)
 
+    def insert_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> bool:
+        def go(db: sqlite3.Connection) -> bool:
+            with self._write(db):
+                cur = db.execute(
+                    "INSERT INTO rollouts (id, state, created_ns, updated_ns, doc) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
+                    (rollout_id, state, now_ns, now_ns, doc),
+                )
+                return cur.rowcount == 1
+
+        return self._run("insert_rollout", go)
+
     def save_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> None:
         def go(db: sqlite3.Connection) -> None:
             with self._write(db):
