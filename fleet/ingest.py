@@ -79,8 +79,6 @@ _BACKOFF_MAX_S = 5.0
 _SPLIT_AFTER = 3
 #: Acks not sent by paho's thread within this time are sent by the writer.
 _ACK_FALLBACK_S = 0.02
-#: A batch stops lingering for more after a wait this long that brought nothing.
-_LINGER_STEP_S = 0.002
 #: Longest time paho's thread waits for room in a full inbox before dropping (unacked).
 _FULL_WAIT_S = 10.0
 
@@ -736,13 +734,9 @@ class IngestWorker:
                         return
                     self._wake.wait(_ACK_FALLBACK_S if self._acks else 0.1)
                     continue
-            # Group commit: take what is waiting (up to batch_max). While the batch is under
-            # half of batch_max, linger for more, up to batch_ms, but only while more keeps
-            # coming: a wait of _LINGER_STEP_S that brings nothing ends the batch. So a
-            # trickle is stored at once, the last batch of a burst waits 2 ms (not batch_ms),
-            # and a flood goes in big transactions: a commit writes every page it touched,
-            # about two per device in the batch however many rows it holds, so a few big
-            # commits cost the store far less CPU than many small ones.
+            # Group commit: take what is waiting (up to batch_max); linger up to batch_ms
+            # for more only while the batch is small, so a trickle is stored at once and a
+            # flood is stored in big transactions.
             batch: list[_Incoming] = []
             deadline = time.monotonic() + batch_s
             while len(batch) < batch_max:
@@ -757,11 +751,11 @@ class IngestWorker:
                         self.stats.discarded += 1
                     continue
                 left = deadline - time.monotonic()
-                if left <= 0 or len(batch) >= batch_max // 2 or self._stopping.is_set():
+                if left <= 0 or len(batch) >= batch_max // 10 or self._stopping.is_set():
                     break
                 self._wake.clear()
-                if not inbox and not self._wake.wait(min(left, _LINGER_STEP_S)) and not inbox:
-                    break
+                if not inbox:
+                    self._wake.wait(min(left, 0.005))
             self._space.set()
             if batch:
                 self._commit_with_retry(store, batch)
