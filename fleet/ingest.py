@@ -842,9 +842,9 @@ class IngestWorker:
             epoch = self._epoch
             acks = self._acks
             while acks:
-                item_epoch, mid, qos, *_ = acks.popleft()
-                if qos > 0 and item_epoch == epoch:
-                    rc = self._client.ack(mid, qos)
+                item = acks.popleft()
+                if item[2] > 0 and item[0] == epoch:  # qos, the connection of its mid
+                    rc = self._client.ack(item[1], item[2])
                     if rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
                         self.stats.acked += 1
 
