@@ -10,9 +10,13 @@ Delivery into the store::
 
     paho thread:   on_message -> bounded inbox (a deque; Receive Maximum = its size)
     writer thread: inbox -> batch (up to batch_max; lingers up to batch_ms while small)
-                   -> check each (topic, schema, device) -> rows + refused
-                   -> store process: store.ingest(rows), store.quarantine(refused)
+                   -> store process: process_batch: check each (topic, schema, device)
+                      -> store.ingest(rows), store.quarantine(refused)
     paho thread:   PUBACK each message of the committed batch
+
+Everything per message that is not MQTT (decode, checks, rows, SQL) runs in the store
+process, so the worker's own process, whose GIL paho's network thread needs for every
+packet it parses, only queues raw payloads and sends them on in batches.
 
 Acks are manual (paho ``manual_ack=True``): a PUBACK leaves only after the transaction that
 holds the message committed, so a crash at any point loses nothing; the broker redelivers
@@ -60,7 +64,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 from fleet.errors import FleetStoreError, IngestError, MessageRefused
-from fleet.store import IngestResult, Quarantined, Row, open_store, redact_url
+from fleet.store import IngestResult, Quarantined, Row, Store, open_store, redact_url
 from fleet.store.base import QUARANTINE_PAYLOAD_MAX
 from wire import Message, StateMsg, Topic, WireError, decode, parse_topic
 from wire.topics import UPLINK_KINDS, shared_subscription
@@ -163,14 +167,25 @@ class IngestStats:
         self.last_commit_ns = max(lasts) if lasts else None
 
 
-@dataclass(frozen=True, slots=True)
-class _Incoming:
-    epoch: int  # connection the mid belongs to; a mid is only valid on its own connection
-    mid: int
-    qos: int
-    topic: str
-    payload: bytes
-    received_ns: int
+#: One received message as paho's thread queues it: ``(epoch, mid, qos, topic, payload,
+#: received_ns)``; ``epoch`` is the connection the mid belongs to (a mid is only valid on its
+#: own connection). A plain tuple, not a dataclass: it is built in paho's thread, the one
+#: every other cost of the worker's process competes with for the GIL, and a tuple literal
+#: is the cheapest object there is (a frozen dataclass costs ~10 times as much).
+_Incoming = tuple[int, int, int, str, bytes, int]
+
+
+@dataclass(slots=True)
+class BatchOutcome:
+    """What :func:`process_batch` did with one batch (all of it committed)."""
+
+    inserted: int = 0
+    duplicates: int = 0
+    states: int = 0
+    #: Reason class -> messages quarantined.
+    refused: dict[str, int] = field(default_factory=dict)
+    #: ``(kind, text)`` of unexpected errors, for the worker to log (once per kind).
+    notes: list[tuple[str, str]] = field(default_factory=list)
 
 
 # Topics repeat (a few per device): caching the parse saves two regex matches per message.
@@ -206,8 +221,8 @@ def check_message(topic: str, payload: bytes) -> tuple[Topic, Message]:
     return parsed, msg
 
 
-class _StoreOps(Protocol):
-    """The part of :class:`Store` the writer uses (a Store, or a :class:`_StoreClient`)."""
+class _Backend(Protocol):
+    """The part of :class:`fleet.store.Store` that :func:`process_batch` uses."""
 
     def ingest(self, rows: Sequence[Row]) -> IngestResult: ...
     def quarantine(self, items: Sequence[Quarantined]) -> None: ...
@@ -215,7 +230,111 @@ class _StoreOps(Protocol):
     def ensure_device(
         self, device: str, site: str, received_ns: int, *, auto_register: bool
     ) -> bool: ...
+
+
+def _classify(
+    store: _Backend,
+    item: _Incoming,
+    known: set[str],
+    auto_register: bool,
+    notes: list[tuple[str, str]],
+) -> Row | None:
+    """The Row of a data message, ``None`` for a state message already recorded.
+
+    Raises MessageRefused for anything to quarantine. Store errors propagate (retry the batch).
+    """
+    _, _, _, topic, payload, received_ns = item
+    try:
+        parsed, msg = check_message(topic, payload)
+    except MessageRefused:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug of ours must not stop ingest
+        notes.append((f"internal:{type(exc).__name__}", f"unexpected error on {topic}"))
+        found = parse_topic(topic) if isinstance(topic, str) else None
+        raise MessageRefused(
+            "internal",
+            f"internal error: {type(exc).__name__}",
+            "$",
+            found.device if found else None,
+        ) from None
+    # With auto-registration on, the batch's own upsert (ingest or record_state) registers a
+    # new device in the same transaction: no separate write per new device. Off, a device
+    # must exist: looked up once, then remembered.
+    if not auto_register and parsed.device not in known:
+        if not store.ensure_device(parsed.device, parsed.site, received_ns, auto_register=False):
+            raise MessageRefused(
+                "unknown_device",
+                f"unknown device {parsed.device!r} (auto-registration is off)",
+                "$",
+                parsed.device,
+            )
+        known.add(parsed.device)
+    if isinstance(msg, StateMsg):
+        store.record_state(parsed.device, parsed.site, msg, received_ns)
+        return None
+    return Row(
+        msg.device, parsed.site, parsed.kind, msg.boot_id, msg.seq, msg.t_ns, payload, received_ns
+    )
+
+
+def process_batch(
+    store: _Backend, items: Sequence[_Incoming], known: set[str], *, auto_register: bool
+) -> BatchOutcome:
+    """Check every message of a batch, store the good ones in one transaction, quarantine the
+    rest. Returns once all of it is committed; a store failure raises (nothing to ack).
+
+    ``known`` holds devices already found registered (only consulted with auto-registration
+    off); the caller keeps it between batches.
+    """
+    out = BatchOutcome()
+    rows: list[Row] = []
+    refused: list[Quarantined] = []
+    for item in items:
+        try:
+            row = _classify(store, item, known, auto_register, out.notes)
+        except MessageRefused as r:
+            refused.append(
+                Quarantined(
+                    item[3], item[4][:QUARANTINE_PAYLOAD_MAX], r.reason, r.where, item[5], r.device
+                )
+            )
+            out.refused[r.cls] = out.refused.get(r.cls, 0) + 1
+            continue
+        if row is None:
+            out.states += 1
+        else:
+            rows.append(row)
+    if rows:
+        result = store.ingest(rows)
+        out.inserted, out.duplicates = result.inserted, result.duplicates
+    if refused:
+        store.quarantine(refused)
+    return out
+
+
+class _StoreOps(Protocol):
+    """What the writer thread uses: a :class:`_StoreClient` or a :class:`_DirectStore`."""
+
+    def process(self, items: Sequence[_Incoming], *, auto_register: bool) -> BatchOutcome: ...
+    def quarantine(self, items: Sequence[Quarantined]) -> None: ...
     def close(self) -> None: ...
+
+
+class _DirectStore:
+    """:func:`process_batch` on a store in the writer's own thread (``store_process=False``)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._known: set[str] = set()
+
+    def process(self, items: Sequence[_Incoming], *, auto_register: bool) -> BatchOutcome:
+        return process_batch(self._store, items, self._known, auto_register=auto_register)
+
+    def quarantine(self, items: Sequence[Quarantined]) -> None:
+        self._store.quarantine(items)
+
+    def close(self) -> None:
+        self._store.close()
 
 
 def _store_server(url: str, migrate: bool, conn: Connection) -> None:
@@ -229,6 +348,7 @@ def _store_server(url: str, migrate: bool, conn: Connection) -> None:
         conn.send(("err", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ok", None))
+    known: set[str] = set()
     try:
         while True:
             try:
@@ -238,21 +358,17 @@ def _store_server(url: str, migrate: bool, conn: Connection) -> None:
             if request is None:
                 return
             method, args = request
-            if method not in ("ingest", "quarantine", "record_state", "ensure_device"):
+            if method not in ("batch", "quarantine"):
                 conn.send(("err", f"unknown store request {method!r}"))
                 continue
             try:
                 result: object = None
-                if method == "ingest":
-                    r = store.ingest([Row(*t) for t in args])
-                    result = (r.inserted, r.duplicates)
-                elif method == "quarantine":
-                    store.quarantine([Quarantined(*t) for t in args])
-                elif method == "record_state":
-                    store.record_state(*args)
+                if method == "batch":
+                    items, auto = args
+                    out = process_batch(store, items, known, auto_register=auto)
+                    result = (out.inserted, out.duplicates, out.states, out.refused, out.notes)
                 else:
-                    device, site, received_ns, auto = args
-                    result = store.ensure_device(device, site, received_ns, auto_register=auto)
+                    store.quarantine([Quarantined(*t) for t in args])
             except Exception as exc:  # noqa: BLE001 - every failure goes back as text
                 conn.send(("err", f"{type(exc).__name__}: {exc}"))
             else:
@@ -262,13 +378,16 @@ def _store_server(url: str, migrate: bool, conn: Connection) -> None:
 
 
 class _StoreClient:
-    """The store, run in a process of its own, called synchronously over a pipe.
+    """The store, run in a process of its own, called synchronously over a pipe; the checks
+    of every message (:func:`process_batch`) run there too.
 
-    Why: the SQLite and PostgreSQL drivers release the GIL around every row and then wait
-    to take it back from paho's network thread, which holds it most of the time; written
-    from the worker's own process, a row cost ~100 us instead of ~10 us and one worker
-    reached half the rate of a bare paho subscriber. Over the pipe the writer thread only
-    pickles tuples (~1 us a row) and sleeps, GIL released, while the store process works.
+    Why: the worker's process is bound by one GIL, and paho's network thread needs it for
+    every packet it parses. Written from that process, the SQLite and PostgreSQL drivers
+    release the GIL around every row and then wait to take it back (a row cost ~100 us
+    instead of ~10 us); decoding and checking payloads there took the GIL from paho for
+    about half as long again as paho itself held it. Over the pipe, the writer thread only
+    pickles the raw tuples (a few us per batch of bytes) and sleeps, GIL released, while
+    the store process decodes, checks and writes on the other core.
 
     A failed call raises FleetStoreError (the batch is retried); a dead store process is
     started again on the next call.
@@ -319,30 +438,17 @@ class _StoreClient:
             self._proc.join(5)
         self._conn = self._proc = None
 
-    def ingest(self, rows: Sequence[Row]) -> IngestResult:
-        result = self._call(
-            "ingest",
-            [
-                (r.device, r.site, r.kind, r.boot_id, r.seq, r.t_ns, r.body, r.received_ns)
-                for r in rows
-            ],
-        )
+    def process(self, items: Sequence[_Incoming], *, auto_register: bool) -> BatchOutcome:
+        result = self._call("batch", (items, auto_register))
         assert isinstance(result, tuple)
-        return IngestResult(int(result[0]), int(result[1]))
+        inserted, duplicates, states, refused, notes = result
+        return BatchOutcome(int(inserted), int(duplicates), int(states), refused, notes)
 
     def quarantine(self, items: Sequence[Quarantined]) -> None:
         self._call(
             "quarantine",
             [(q.topic, q.payload, q.reason, q.where, q.received_ns, q.device) for q in items],
         )
-
-    def record_state(self, device: str, site: str, state: StateMsg, received_ns: int) -> None:
-        self._call("record_state", (device, site, state, received_ns))
-
-    def ensure_device(
-        self, device: str, site: str, received_ns: int, *, auto_register: bool
-    ) -> bool:
-        return bool(self._call("ensure_device", (device, site, received_ns, auto_register)))
 
     def close(self) -> None:
         if self._conn is not None:
@@ -407,7 +513,7 @@ class IngestWorker:
         self._writer: threading.Thread | None = None
         self._start_error: BaseException | None = None
         self._logged: set[str] = set()
-        self._known: set[str] = set()
+        self._queue_max = config.queue_max
         self._client = self._make_client()
 
     # --- MQTT side (paho's thread) -------------------------------------------------------
@@ -514,17 +620,21 @@ class IngestWorker:
             # Left unacked: the broker keeps it for this session. Taking more while stopping
             # would keep the writer (and stop()) busy for as long as traffic flows.
             return
-        self.stats.received += 1
-        if self.stats.first_received_ns is None:
-            self.stats.first_received_ns = time.time_ns()
+        # Every line here runs once per message in the thread that bounds the worker's
+        # rate (see _StoreClient): keep it to queueing.
+        stats = self.stats
+        now = time.time_ns()
+        stats.received += 1
+        if stats.first_received_ns is None:
+            stats.first_received_ns = now
         if self._acks:
             self._flush_acks()
         try:
             topic = msg.topic
         except UnicodeDecodeError:
             topic = repr(msg._topic)  # paho refuses to decode it for us
-        item = _Incoming(self._epoch, msg.mid, msg.qos, topic, bytes(msg.payload), time.time_ns())
-        if len(self._inbox) >= self.config.queue_max and not self._wait_for_space():
+        item = (self._epoch, msg.mid, msg.qos, topic, bytes(msg.payload), now)
+        if len(self._inbox) >= self._queue_max and not self._wait_for_space():
             # Unacked, so the broker still owes it to us: it is redelivered after the
             # reconnect that _do_resync forces.
             self.stats.dropped += 1
@@ -596,7 +706,7 @@ class IngestWorker:
                 direct = open_store(self.config.store_url)
                 if self.config.migrate:
                     direct.migrate()
-                store = direct
+                store = _DirectStore(direct)
         except BaseException as exc:  # noqa: BLE001 - re-raised by start() in its thread
             self._start_error = exc
             self._ready.set()
@@ -635,7 +745,7 @@ class IngestWorker:
                 except IndexError:
                     pass
                 else:
-                    if item.epoch >= self._discard_before:
+                    if item[0] >= self._discard_before:
                         batch.append(item)
                     else:
                         self.stats.discarded += 1
@@ -687,11 +797,11 @@ class IngestWorker:
             store.quarantine(
                 [
                     Quarantined(
-                        item.topic,
-                        item.payload[:QUARANTINE_PAYLOAD_MAX],
+                        item[3],
+                        item[4][:QUARANTINE_PAYLOAD_MAX],
                         f"store refused the message: {self.stats.last_error}",
                         "$",
-                        item.received_ns,
+                        item[5],
                         None,
                     )
                 ]
@@ -703,41 +813,17 @@ class IngestWorker:
         return True
 
     def _commit(self, store: _StoreOps, batch: list[_Incoming]) -> None:
-        rows: list[Row] = []
-        refused: list[Quarantined] = []
-        classes: list[str] = []
-        states = 0
-        for item in batch:
-            try:
-                out = self._classify(store, item)
-            except MessageRefused as r:
-                refused.append(
-                    Quarantined(
-                        item.topic,
-                        item.payload[:QUARANTINE_PAYLOAD_MAX],
-                        r.reason,
-                        r.where,
-                        item.received_ns,
-                        r.device,
-                    )
-                )
-                classes.append(r.cls)
-                continue
-            if out is None:
-                states += 1
-            else:
-                rows.append(out)
-        result = store.ingest(rows) if rows else None
-        if refused:
-            store.quarantine(refused)
-        self.stats.batches += 1
-        self.stats.last_commit_ns = time.time_ns()
-        if result is not None:
-            self.stats.stored += result.inserted
-            self.stats.duplicates += result.duplicates
-        self.stats.states += states
-        for cls in classes:
-            self.stats.quarantined[cls] += 1
+        out = store.process(batch, auto_register=self.config.auto_register)
+        stats = self.stats
+        stats.batches += 1
+        stats.last_commit_ns = time.time_ns()
+        stats.stored += out.inserted
+        stats.duplicates += out.duplicates
+        stats.states += out.states
+        for cls, n in out.refused.items():
+            stats.quarantined[cls] = stats.quarantined.get(cls, 0) + n
+        for kind, text in out.notes:
+            self._note(kind, text)
         self._ack(batch)
 
     def _ack(self, batch: Iterable[_Incoming]) -> None:
@@ -757,56 +843,10 @@ class IngestWorker:
             acks = self._acks
             while acks:
                 item = acks.popleft()
-                if item.qos > 0 and item.epoch == epoch:
-                    rc = self._client.ack(item.mid, item.qos)
+                if item[2] > 0 and item[0] == epoch:  # qos, the connection of its mid
+                    rc = self._client.ack(item[1], item[2])
                     if rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
                         self.stats.acked += 1
-
-    def _classify(self, store: _StoreOps, item: _Incoming) -> Row | None:
-        """The Row of a data message, ``None`` for a state message already recorded.
-
-        Raises MessageRefused for anything to quarantine. Store errors propagate (retry the batch).
-        """
-        try:
-            parsed, msg = check_message(item.topic, item.payload)
-        except MessageRefused:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a bug of ours must not stop ingest
-            self._note(f"internal:{type(exc).__name__}", f"unexpected error on {item.topic}")
-            found = parse_topic(item.topic) if isinstance(item.topic, str) else None
-            raise MessageRefused(
-                "internal",
-                f"internal error: {type(exc).__name__}",
-                "$",
-                found.device if found else None,
-            ) from None
-        if parsed.device not in self._known:
-            if not store.ensure_device(
-                parsed.device,
-                parsed.site,
-                item.received_ns,
-                auto_register=self.config.auto_register,
-            ):
-                raise MessageRefused(
-                    "unknown_device",
-                    f"unknown device {parsed.device!r} (auto-registration is off)",
-                    "$",
-                    parsed.device,
-                )
-            self._known.add(parsed.device)
-        if isinstance(msg, StateMsg):
-            store.record_state(parsed.device, parsed.site, msg, item.received_ns)
-            return None
-        return Row(
-            msg.device,
-            parsed.site,
-            parsed.kind,
-            msg.boot_id,
-            msg.seq,
-            msg.t_ns,
-            item.payload,
-            item.received_ns,
-        )
 
     def _note(self, kind: str, text: str) -> None:
         """Record the last error; log each kind of failure once (not once per message)."""

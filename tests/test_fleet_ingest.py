@@ -40,6 +40,8 @@ from wire import (
     SignalStats,
     StateMsg,
     TelemetryMsg,
+    WireError,
+    decode,
     encode,
     topic,
 )
@@ -274,6 +276,43 @@ def test_check_message_refuses_what_the_subscription_cannot_deliver() -> None:
     parsed, msg = check_message(topic(SITE, "gw-1", "telemetry"), payload)
     assert parsed.device == "gw-1"
     assert isinstance(msg, TelemetryMsg)
+
+
+def test_telemetry_decode_accepts_and_refuses_exactly_as_the_strict_schema() -> None:
+    # wire.decode takes a fast path for telemetry (signal names checked apart from msgspec);
+    # what it accepts, and every refusal with its path, must be the strict schema's.
+    strict = msgspec.json.Decoder(TelemetryMsg)
+    stats = [1.0, 0.5, 1.5, 1.2, 10]
+    good: dict[str, Any] = msgspec.to_builtins(telemetry("gw-1", boot_id(), 7))
+    good["more"] = [[good["t_ns"] + 1, False, {"b.c:d-1": stats}]]
+    names = ["ok_1", "", "x" * 128, "x" * 129, "bad name", "trailing\n", "émoji", "a/b"]
+    cases = (
+        [good]
+        + [{**good, "signals": {"ok": stats, name: stats}} for name in names]
+        + [{**good, "more": [[good["t_ns"] + 1, True, {name: stats}]]} for name in names]
+    )
+    for case in cases:
+        raw = json.dumps(case).encode()
+        assert _fast(raw) == _strict(strict, raw), case
+    refused = sum(1 for c in cases if _strict(strict, json.dumps(c).encode())[0] == "refused")
+    assert refused >= 10, "the cases must exercise refusals in both places"
+
+
+def _fast(raw: bytes) -> tuple[str, Any, str]:
+    try:
+        msg = decode("telemetry", raw)
+    except WireError as exc:
+        return ("refused", exc.reason, exc.where)
+    return ("accepted", msg, type(msg).__name__)
+
+
+def _strict(strict: msgspec.json.Decoder[TelemetryMsg], raw: bytes) -> tuple[str, Any, str]:
+    try:
+        msg = strict.decode(raw)
+    except msgspec.ValidationError as exc:
+        reason, _, where = str(exc).partition(" - at `")
+        return ("refused", reason, where.rstrip("`") or "$")
+    return ("accepted", msg, type(msg).__name__)
 
 
 # --- broker -> worker -> store -------------------------------------------------------------

@@ -456,6 +456,32 @@ def test_device_info_tracks_last_seq_seen_and_latest_latency(store: Store) -> No
     assert info.last_seen_ns == decision("gw1", 4).received_ns  # the latest receive time
 
 
+def test_one_batch_of_many_devices_and_boots_keeps_first_and_last_seen(store: Store) -> None:
+    # A batch holds several devices and boots, in no order; a later batch holds older
+    # messages. A device was first seen in the first batch that named it and last seen at
+    # the latest receive time; a boot keeps its earliest (gap reports order boots by it).
+    late = [
+        telemetry(f"gw{d}", seq, boot=boot)
+        for d in (3, 1, 2)
+        for seq in (5, 6)
+        for boot in (BOOT_B, BOOT_A)
+    ]
+    assert store.ingest(late).inserted == 12
+    early = [telemetry(f"gw{d}", seq, boot=BOOT_A) for d in (2, 1, 3) for seq in (1, 0)]
+    assert store.ingest(early).inserted == 6
+    for d in (1, 2, 3):
+        info = store.device(f"gw{d}")
+        assert info is not None
+        assert info.first_seen_ns == telemetry(f"gw{d}", 5).received_ns
+        assert info.last_seen_ns == telemetry(f"gw{d}", 6).received_ns
+    gaps = store.gaps("gw1")
+    # Boot A (first received earlier, with seq 0) comes before boot B in the report.
+    assert [(g.boot_id, g.first_missing, g.last_missing) for g in gaps] == [
+        (BOOT_A, 2, 4),
+        (BOOT_B, 0, 4),
+    ]
+
+
 # -- gaps ------------------------------------------------------------------------------------
 
 
