@@ -9,8 +9,10 @@ consistent on power loss and may lose only the last commits, which the broker re
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -57,15 +59,30 @@ class SqliteStore:
         # The lock makes one Store safe to hand between threads (asyncio.to_thread runs on
         # any pool thread); it is not meant to be shared by busy workers.
         self._lock = threading.Lock()
-        try:
-            self._db = sqlite3.connect(
-                path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
-            )
-            self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            self._db.execute("PRAGMA synchronous = NORMAL")
-        except sqlite3.Error as exc:
-            raise FleetStoreError(f"store {url}: cannot open {path}: {exc}") from None
+        deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+        while True:
+            try:
+                self._db = sqlite3.connect(
+                    path,
+                    timeout=BUSY_TIMEOUT_MS / 1000,
+                    isolation_level=None,
+                    check_same_thread=False,
+                )
+                self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+                mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+                self._db.execute("PRAGMA synchronous = NORMAL")
+                break
+            except sqlite3.OperationalError as exc:
+                # Switching a new file to WAL takes an exclusive lock and does not wait on
+                # the busy handler: two processes opening one new store at once (fleet
+                # serve's ingest and its rollout service) would fail here. Retry briefly.
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise FleetStoreError(f"store {url}: cannot open {path}: {exc}") from None
+                with contextlib.suppress(sqlite3.Error, AttributeError):
+                    self._db.close()
+                time.sleep(0.05)
+            except sqlite3.Error as exc:
+                raise FleetStoreError(f"store {url}: cannot open {path}: {exc}") from None
         if str(mode).lower() != "wal":
             raise FleetStoreError(f"store {url}: cannot switch {path} to WAL mode (got {mode})")
 
