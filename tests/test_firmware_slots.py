@@ -491,11 +491,12 @@ def test_a_wheel_that_is_not_the_announced_agent_build_is_refused(
 
 @pytest.fixture
 def tiny_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 4 MiB tmpfs of our own, so ENOSPC really happens (the tests run as root)."""
+    """An 8 MiB tmpfs of our own, so ENOSPC really happens (the tests run as root); room for
+    two unpacked agent builds (~2 MiB each with both models) and not much more."""
     mnt = tmp_path / "tiny"
     mnt.mkdir()
     subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755", "tmpfs", str(mnt)], check=True
+        ["mount", "-t", "tmpfs", "-o", "size=8m,mode=0755", "tmpfs", str(mnt)], check=True
     )
     try:
         yield mnt
@@ -507,13 +508,13 @@ def test_disk_full_while_staging_aborts_cleanly(
     tiny_fs: Path, wheels: dict[str, Path], real_wheel: Path, tmp_path: Path
 ) -> None:
     slots = Slots(tiny_fs / "slots")
-    install(slots, wheels["old"], "0.1.1")  # ~1 MiB unpacked: fits
+    install(slots, wheels["old"], "0.1.1")  # ~2 MiB unpacked: fits
     slots.activate("a")
     slots.mark_good()
     state_before = slots.state_path.read_bytes()
     active_before = tree_digest(slots.slot_dir("a"))
-    # 5 MiB that do not compress: more than the whole filesystem.
-    noise = [(member("models/noise.bin"), os.urandom(5 << 20))]
+    # 10 MiB that do not compress: more than the whole filesystem.
+    noise = [(member("models/noise.bin"), os.urandom(10 << 20))]
     big = variant(real_wheel, tmp_path / "big.whl", version="0.2.0", extra=noise)
     with pytest.raises(StagingError, match=r"disk full.*No space left on device") as caught:
         install(slots, big, "0.2.0")

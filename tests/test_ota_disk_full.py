@@ -1,6 +1,6 @@
 """A full disk while a bundle is staged: a clean abort, the old version untouched.
 
-The device's OTA directory is on a 4 MiB tmpfs of the test's own (root), so ENOSPC really
+The device's OTA directory is on a 8 MiB tmpfs of the test's own (root), so ENOSPC really
 happens: a bundle copied in from elsewhere (``edge-agent ota install FILE``) needs more than
 is left, and a delta payload's result has to be written.
 """
@@ -47,7 +47,7 @@ def test_copying_a_bundle_onto_a_full_disk_aborts_and_leaves_no_trace(
     first = verify_bundle(small, root=root, policy=POLICY, floors={}, now=datetime.now(UTC),
                           store=store, keep_source=True)  # fmt: skip
     before = _files(tiny_fs)
-    big = signer.bundle(tmp_path / "big.efb", _members(6 * 1024 * 1024), counter=3)
+    big = signer.bundle(tmp_path / "big.efb", _members(12 * 1024 * 1024), counter=3)
     with pytest.raises(StorageError, match=r"No space left|staging"):
         verify_bundle(big, root=root, policy=POLICY, floors={"model": 2},
                       now=datetime.now(UTC), store=store, keep_source=True)  # fmt: skip
@@ -70,7 +70,7 @@ def test_a_delta_result_that_does_not_fit_aborts_and_keeps_the_base(
                        counter=2)  # fmt: skip
     v1 = verify_bundle(b1, root=root, policy=POLICY, floors={}, now=datetime.now(UTC),
                        store=store, keep_source=True)  # fmt: skip
-    new = base + os.urandom(3_000_000)  # the patch is small, the result is not
+    new = base + bytes(9_000_000)  # zeros: the patch is tiny, the result does not fit
     entry, patch = build.payload_entry("model.tflite", new, base=base)
     meta, meta_bytes = build.payload_entry("model.json", b"{}")
     signed = build.bundle_signed(
@@ -97,7 +97,7 @@ def test_the_agent_reports_a_full_disk_and_keeps_serving(
     cfg, port, channel = ota_config(tmp_path, signer)
     # The agent's state (memory, outbox, OTA) on the tiny disk.
     cfg = dataclasses.replace(cfg, state_dir=tiny_fs)
-    big = signer.bundle(tmp_path / "big.efb", _members(6 * 1024 * 1024), counter=2)
+    big = signer.bundle(tmp_path / "big.efb", _members(12 * 1024 * 1024), counter=2)
 
     async def scenario(agent: Agent) -> object:
         assert agent.ota is not None
