@@ -22,13 +22,10 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet import bundles, keys
+from fleet.cli_common import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, fail
 from fleet.errors import BundleError, FleetError, FleetKeyError
 from ota import trust as ota_trust
 from ota.errors import TrustError
-
-EXIT_NOT_FOUND = 1
-EXIT_USAGE = 2
-EXIT_FAILURE = 3
 
 bundle_app = typer.Typer(
     help="OTA bundles (.efb): build, sign, inspect.",
@@ -58,9 +55,7 @@ RootOpt = Annotated[
 ]
 
 
-def _fail(message: str, code: int) -> NoReturn:
-    typer.echo(f"fleet: {message}", err=True)
-    raise typer.Exit(code)
+_fail = fail
 
 
 def _fail_err(exc: FleetError) -> NoReturn:

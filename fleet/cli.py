@@ -20,27 +20,34 @@ import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from edge_agent import __version__
 from fleet.artifacts_cli import app as artifacts_app
 from fleet.bundle_cli import bundle_app
+from fleet.cli_common import (
+    EXIT_FAILURE,
+    EXIT_NOT_FOUND,
+    EXIT_USAGE,
+    JsonOpt,
+    StoreOpt,
+    err,
+    fail,
+    open_cli_store,
+    out,
+    store_url,
+)
 from fleet.errors import FleetError, IngestError
 from fleet.keys_cli import keys_app
 from fleet.pki_cli import broker_config_cmd, pki_app
 from fleet.rollout_cli import label as rollout_label
 from fleet.rollout_cli import rollout_app
-from fleet.store import DeviceInfo, Gap, Store, open_store
+from fleet.store import DeviceInfo, Gap
 
-ENV_STORE = "FLEET_STORE"
 ENV_MQTT_PASSWORD = "FLEET_MQTT_PASSWORD"  # noqa: S105 - a variable name, not a secret
-EXIT_NOT_FOUND = 1
-EXIT_USAGE = 2
-EXIT_FAILURE = 3
 
 app = typer.Typer(
     name="fleet",
@@ -58,43 +65,8 @@ app.add_typer(telemetry_app, name="telemetry")
 app.add_typer(decisions_app, name="decisions")
 app.add_typer(quarantine_app, name="quarantine")
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False)
-
-StoreOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--store",
-        envvar=ENV_STORE,
-        help="Store URL (sqlite:///abs/path.db, postgresql://...) or a SQLite file path "
-        "[default: ./fleet.db]",
-        show_default=False,
-    ),
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
-
-
-def _fail(message: str, code: int) -> NoReturn:
-    err.print(f"fleet: {message}", markup=False)
-    raise typer.Exit(code)
-
-
-def store_url(value: str | None) -> str:
-    """``--store`` / ``FLEET_STORE`` as a URL; a bare path is a SQLite file (made absolute)."""
-    if not value:
-        value = "fleet.db"
-    if "://" in value:
-        return value
-    return f"sqlite://{Path(value).expanduser().resolve()}"
-
-
-def _open(value: str | None) -> Store:
-    try:
-        store = open_store(store_url(value))
-        store.migrate()
-    except FleetError as exc:
-        _fail(str(exc), EXIT_FAILURE)
-    return store
+_fail = fail
+_open = open_cli_store
 
 
 _UNITS_NS = {"s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9, "d": 86400 * 10**9}

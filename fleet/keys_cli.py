@@ -20,11 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from fleet import keys
+from fleet.cli_common import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, JsonOpt, fail
 from fleet.errors import FleetKeyError
-
-EXIT_NOT_FOUND = 1
-EXIT_USAGE = 2
-EXIT_FAILURE = 3
 
 keys_app = typer.Typer(
     help="Signing keys and the trust root (root.json) devices trust.",
@@ -48,12 +45,9 @@ PassFileOpt = Annotated[
 ExpiresOpt = Annotated[
     int, typer.Option("--expires-days", min=1, help="The root's validity in days.")
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
-def _fail(message: str, code: int) -> NoReturn:
-    typer.echo(f"fleet: {message}", err=True)
-    raise typer.Exit(code)
+_fail = fail
 
 
 def _fail_key(exc: FleetKeyError) -> NoReturn:

@@ -11,27 +11,19 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from fleet.cli_common import JsonOpt, StoreOpt, fail, open_cli_store, out
 from fleet.errors import FleetError
 from fleet.rollout import machine as m
 from fleet.rollout.orchestrator import RolloutError, create_rollout, load, request
 from fleet.rollout.plan import TIERS, PlanError, parse_fraction, parse_selector, parse_waves
-from fleet.store import Store, open_store
+from fleet.store import Store
 
 rollout_app = typer.Typer(help="OTA rollouts in waves that halt themselves.", no_args_is_help=True)
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False)
-
-StoreOpt = Annotated[
-    str | None,
-    typer.Option("--store", envvar="FLEET_STORE", help="Store URL or SQLite file [./fleet.db]"),
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 ArtifactsOpt = Annotated[
     Path,
     typer.Option(
@@ -40,20 +32,8 @@ ArtifactsOpt = Annotated[
 ]
 
 
-def _fail(message: str, code: int) -> NoReturn:
-    err.print(f"fleet: {message}", markup=False)
-    raise typer.Exit(code)
-
-
-def _open(value: str | None) -> Store:
-    from fleet.cli import store_url  # noqa: PLC0415 - one URL rule for every command
-
-    try:
-        store = open_store(store_url(value))
-        store.migrate()
-    except FleetError as exc:
-        _fail(str(exc), 3)
-    return store
+_fail = fail
+_open = open_cli_store
 
 
 def _iso(t_ns: int) -> str:

@@ -1,0 +1,61 @@
+"""What every ``fleet`` sub-command shares: exit codes, the ``--store`` and ``--json``
+options, opening the store, and failing with one line on stderr.
+
+Exit codes: 0 ok, 1 not found / nothing to do, 2 bad usage, 3 store or broker failure.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+
+from fleet.errors import FleetError
+from fleet.store import Store, open_store
+
+ENV_STORE = "FLEET_STORE"
+EXIT_NOT_FOUND = 1
+EXIT_USAGE = 2
+EXIT_FAILURE = 3
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False)
+
+StoreOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--store",
+        envvar=ENV_STORE,
+        help="Store URL (sqlite:///abs/path.db, postgresql://...) or a SQLite file path "
+        "[default: ./fleet.db]",
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def fail(message: str, code: int) -> NoReturn:
+    """One line on stderr, never wrapped (a script greps it), then exit ``code``."""
+    typer.echo(f"fleet: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def store_url(value: str | None) -> str:
+    """``--store`` / ``FLEET_STORE`` as a URL; a bare path is a SQLite file (made absolute)."""
+    if not value:
+        value = "fleet.db"
+    if "://" in value:
+        return value
+    return f"sqlite://{Path(value).expanduser().resolve()}"
+
+
+def open_cli_store(value: str | None) -> Store:
+    """The store of ``--store``, migrated; a failure ends the command with exit code 3."""
+    try:
+        store = open_store(store_url(value))
+        store.migrate()
+    except FleetError as exc:
+        fail(str(exc), EXIT_FAILURE)
+    return store
