@@ -14,7 +14,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from fleet.cli import app, parse_since, store_url
+from fleet.cli import app, parse_since
+from fleet.cli_common import store_url
 from fleet.store import Quarantined, Row, open_store
 from tests.test_fleet_ingest import SITE, boot_id, decision, sqlite_url, state, telemetry
 from wire import encode
