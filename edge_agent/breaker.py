@@ -110,6 +110,16 @@ class Breaker:
 
         Returns the mode for the *next* window.
         """
+        if (
+            self.state is State.CLOSED
+            and self.streak == 0
+            and latency_us is not None
+            and latency_us <= self.spec.budget_us
+        ):
+            # The steady state, every window: closed, in budget, nothing counted. The
+            # table below would keep it as it is.
+            self.since_run = 0
+            return "full"
         if latency_us is None:
             outcome = Outcome.SKIPPED
             self.since_run += 1

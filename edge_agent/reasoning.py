@@ -11,16 +11,18 @@ Attribution (``Decision.top_signals``)
 Only when the verdict is an alarm label do we pay for an explanation: occlusion, one extra
 model run per signal. Signal ``i`` is replaced by a *normal-looking* column and the drop of
 the winning label's probability is its contribution; signals whose replacement does not
-lower it are left out. :meth:`models.LoadedModel.predict_occluded` does all the runs in
-one batched invoke, reusing the window's int8 input (a feature channel reads one signal, so
-an occluded input is that input with one signal's channels taken from the reference's);
-the outputs are those of one ``predict()`` per signal, bit for bit. A scorer without it
-gets one ``predict()`` per signal. The replacement depends on what kind of fault won:
+lower it are left out. The model's :class:`models.runtime.LevelOcclusion` does all the
+runs in one batched invoke, reusing the window's int8 input (a feature channel reads one
+signal, so an occluded input is that input with one signal's channels taken from the
+reference's). A scorer without it gets one ``predict()`` per signal. The replacement
+depends on what kind of fault won:
 
 * a *level* fault (``drift``): the signal's normal mean from the manifest, plus noise of
-  its normal step size;
+  its normal step size (its int8 features are computed once per model);
 * any other label (``spike``, ``stuck``, ``noise``: faults of the dynamics): the window's
   own median of the signal (same operating point), plus noise of its normal step size.
+  Only the level channel of this reference is computed per alarm: its step channels are
+  those of the noise at the normal mean (see ``LevelOcclusion.at``).
 
 Why not a constant "normal mean" column, the textbook occlusion: the model sees step
 differences, and a flat column is exactly what ``stuck`` looks like. Measured on 812
@@ -119,20 +121,18 @@ class PreparedModel:
     normal_mean: FloatArray
     step_noise: FloatArray
     level_ref: FloatArray
-    #: The window's median plus step_noise (the dynamics-fault reference), buffered.
-    median_ref: MedianReference
-    #: ``occluded(values, ref)``: the probabilities with each signal in turn taken from
-    #: ``ref``, one row per signal, right after ``model.predict(values)`` (the model's
-    #: batched ``predict_occluded`` reusing that call's int8 input, when it has one).
-    occluded: Callable[[FloatArray, FloatArray], FloatArray]
-
-    @property
-    def sha256(self) -> str:
-        return self.model.sha256
-
-    @property
-    def version(self) -> str:
-        return self.model.manifest.version
+    #: The window's per-signal median (the level of the dynamics-fault reference), buffered.
+    median: ColumnMedian
+    #: Right after ``model.predict(values)``, the probabilities with each signal in turn
+    #: replaced, one row per signal: ``occlude_normal(values)`` by ``level_ref``;
+    #: ``occlude_at(values, level)`` by ``level + step_noise`` (the model's batched
+    #: :class:`~models.runtime.LevelOcclusion` reusing that call's int8 input, when it
+    #: has one; else one ``predict()`` per signal).
+    occlude_normal: Callable[[FloatArray], FloatArray]
+    occlude_at: Callable[[FloatArray, FloatArray], FloatArray]
+    #: The model's, copied here: every decision records them.
+    sha256: str
+    version: str
 
 
 class DropOldestQueue(Generic[T]):
@@ -313,13 +313,14 @@ class ReasoningStage:
             columns = np.array([per.signals.index(s) for s in m.signals], dtype=np.intp)
         mean, noise = _occlusion_constants(m)
         level_ref = mean + noise
+        make = getattr(model, "level_occlusion", None)
+        if callable(make):
+            batched = make(noise, mean)
+            occlude_normal, occlude_at = batched.at_base, batched.at
+        else:
+            occlude_normal = partial(_occluded_one_by_one, model, ref=level_ref)
+            occlude_at = partial(_occluded_at_one_by_one, model, noise)
         model.predict(level_ref)  # warm-up, see above
-        batched = getattr(model, "predict_occluded", None)
-        occluded = (
-            partial(batched, after_predict=True)
-            if callable(batched)
-            else partial(_occluded_one_by_one, model)
-        )
         prepared = PreparedModel(
             model=model,
             rules=compiled,
@@ -328,8 +329,11 @@ class ReasoningStage:
             normal_mean=mean,
             step_noise=noise,
             level_ref=level_ref,
-            median_ref=MedianReference(noise),
-            occluded=occluded,
+            median=ColumnMedian(m.window, len(m.signals)),
+            occlude_normal=occlude_normal,
+            occlude_at=occlude_at,
+            sha256=model.sha256,
+            version=m.version,
         )
         # The first attribution in a process also pays one-time costs (ms: the batched
         # interpreter's first invoke allocates): pay them here, not on the first alarm.
@@ -392,12 +396,17 @@ class ReasoningStage:
         probabilities: dict[str, float] = {}
         top: tuple[tuple[str, float], ...] = ()
         attribution = "none"
+        tracker = self.tracker
         ran = breaker.should_run()
+        unchanged = False
         if ran:
-            values, plist, label, score = _score(
-                active, window, self._held_signals(window, any_stale), allowed
-            )
-            levels.update(rules.levels(plist, allowed))
+            values, plist = _score(active, window, self._held_signals(window, any_stale))
+            label, score, quiet = rules.verdict(plist, allowed)
+            # Every label below its band and every alarm clear (the usual window): the
+            # tracker would change nothing, so its input is not built nor fed.
+            unchanged = quiet and finding is None and tracker.settled()
+            if not unchanged:
+                levels.update(rules.levels(plist, allowed))
             probabilities = dict(zip(rules.labels, plist, strict=True))
             self._held = (label, score)
             if label != NORMAL and rules.top_k:
@@ -408,7 +417,12 @@ class ReasoningStage:
         # Remembered whether or not the model ran: the next window needs it either way.
         self._prev_seq = window.seq
         self._prev_stale = window.stale if finding is not None else None
-        alarms, raised, cleared = self.tracker.update(levels)
+        raised: tuple[str, ...] = ()
+        cleared: tuple[str, ...] = ()
+        if unchanged:
+            alarms = tracker.active()
+        else:
+            alarms, raised, cleared = tracker.update(levels)
         elapsed_us = (self.timer() - t0) / 1000.0
         breaker.record(elapsed_us if ran else None)
 
@@ -464,7 +478,8 @@ class ReasoningStage:
         if finding is not None:
             fired.append(finding)
         held = window.stale | np.isnan(window.values[0])
-        values, plist, label, score = _score(active, window, held if held.any() else None, allowed)
+        values, plist = _score(active, window, held if held.any() else None)
+        label, score = rules.winner(plist, allowed)
         top: tuple[tuple[str, float], ...] = ()
         if label != NORMAL and rules.top_k:
             top = _occlusion(active, values, label, score)
@@ -527,19 +542,15 @@ class ReasoningStage:
 
 
 def _score(
-    active: PreparedModel,
-    window: Window,
-    held: npt.NDArray[np.bool_] | None,
-    allowed: list[bool],
-) -> tuple[FloatArray, list[float], str, float]:
-    """The model's view of ``window`` (``held`` columns neutralised), its probabilities and
-    the winning allowed label with its score: the part shared by process() and evaluate()."""
+    active: PreparedModel, window: Window, held: npt.NDArray[np.bool_] | None
+) -> tuple[FloatArray, list[float]]:
+    """The model's view of ``window`` (``held`` columns neutralised) and its probabilities:
+    the part shared by process() and evaluate()."""
     values = window.values if active.columns is None else window.values[:, active.columns]
     if held is not None:
         values = _neutralise_stale(active, values, held, active.columns)
     plist: list[float] = active.model.predict(values).tolist()
-    label, score = active.rules.winner(plist, allowed)
-    return values, plist, label, score
+    return values, plist
 
 
 def _neutralise_stale(
@@ -574,18 +585,17 @@ def _occlusion(
 ) -> tuple[tuple[str, float], ...]:
     """Contribution of each signal to ``label`` (see the module docstring).
 
-    Call it right after the model scored ``values`` (``active.occluded`` reuses that run).
+    Call it right after the model scored ``values`` (the occlusion reuses that run).
     """
     if label in LEVEL_LABELS:
-        ref = active.level_ref
+        rows = active.occlude_normal(values)
     else:
         x = values
         if math.isnan(np.add.reduce(x, axis=None)):
             # A never-seen signal (NaN) sits at its normal mean, as the model's features see it.
             x = np.where(np.isnan(x), active.normal_mean, x)
-        ref = active.median_ref(x)
-    index = active.rules.labels.index(label)
-    probs: list[float] = active.occluded(values, ref)[:, index].tolist()
+        rows = active.occlude_at(values, active.median(x))
+    probs: list[float] = rows[:, active.rules.labels.index(label)].tolist()
     drops: list[tuple[str, float]] = []
     for name, p in zip(active.signals, probs, strict=True):
         if base - p > 0.0:
@@ -598,7 +608,7 @@ _second = operator.itemgetter(1)
 
 
 def _occluded_one_by_one(model: Scorer, values: FloatArray, ref: FloatArray) -> FloatArray:
-    """``occluded`` for a scorer without a batched ``predict_occluded``: one run per signal."""
+    """Occlusion for a scorer without ``level_occlusion``: one ``predict()`` per signal."""
     x = np.array(values, dtype=np.float32, copy=True)
     rows = []
     for i in range(x.shape[1]):
@@ -609,41 +619,44 @@ def _occluded_one_by_one(model: Scorer, values: FloatArray, ref: FloatArray) -> 
     return np.stack(rows)
 
 
-class MedianReference:
-    """``np.median(x, axis=0) + noise`` for NaN-free float32 windows, bit for bit.
+def _occluded_at_one_by_one(
+    model: Scorer, noise: FloatArray, values: FloatArray, level: FloatArray
+) -> FloatArray:
+    return _occluded_one_by_one(model, values, level + noise)
 
-    The reference occlusion puts in for a fault of the dynamics. One in-place partition of
-    each column and the mean of the middle pair, as numpy's median does, into buffers made
-    once: five numpy calls instead of numpy's general-purpose median (axis handling, NaN
-    checks, temporaries: tens of µs). The alarm path is rare, so its code and data are cold
-    when it runs, and every call it makes costs several times its warm price. The result is
-    a buffer the next call overwrites.
+
+class ColumnMedian:
+    """``np.median(x, axis=0)`` for NaN-free float32 ``(rows, n)`` windows, bit for bit.
+
+    The level of the reference occlusion puts in for a fault of the dynamics. One in-place
+    partition of each column and the mean of the middle pair, as numpy's median does, into
+    buffers made once: four numpy calls instead of numpy's general-purpose median (axis
+    handling, NaN checks, temporaries: tens of µs). The alarm path is rare, so its code and
+    data are cold when it runs, and every call it makes costs several times its warm price.
+    The result is a buffer the next call overwrites.
     """
 
-    __slots__ = ("_cols", "_hi", "_kth", "_lo", "_mid", "_noise", "_out")
+    __slots__ = ("_cols", "_hi", "_kth", "_lo", "_mid")
 
-    def __init__(self, noise: FloatArray) -> None:
-        rows, n = noise.shape
+    def __init__(self, rows: int, n: int) -> None:
         half = rows // 2
-        self._noise = noise
         self._cols = np.empty((n, rows), dtype=np.float32)
         self._kth = (half,) if rows % 2 else (half - 1, half)
         self._lo = self._cols[:, self._kth[0]]
         self._hi = self._cols[:, half]
         self._mid = np.empty(n, dtype=np.float32)
-        self._out = np.empty((rows, n), dtype=np.float32)
 
     def __call__(self, x: FloatArray) -> FloatArray:
         cols = self._cols
         np.copyto(cols, x.T)
         cols.partition(self._kth, axis=1)
-        mid = self._hi
-        if len(self._kth) == 2:
-            mid = self._mid
-            np.add(self._lo, self._hi, out=mid)
-            np.multiply(mid, 0.5, out=mid)  # == / 2 exactly (a power of two)
-        np.add(mid, self._noise, out=self._out)
-        return self._out
+        if len(self._kth) == 1:
+            np.copyto(self._mid, self._hi)
+            return self._mid
+        mid = self._mid
+        np.add(self._lo, self._hi, out=mid)
+        np.multiply(mid, 0.5, out=mid)  # == / 2 exactly (a power of two)
+        return mid
 
 
 def _occlusion_constants(m: ModelManifest) -> tuple[FloatArray, FloatArray]:
@@ -686,9 +699,9 @@ def model_info(model: Scorer) -> Mapping[str, str]:
 __all__ = [
     "LATENCY_HISTORY",
     "LEVEL_LABELS",
+    "ColumnMedian",
     "DropOldestQueue",
     "Evaluation",
-    "MedianReference",
     "ModelMismatch",
     "PreparedModel",
     "ReasoningStage",

@@ -280,6 +280,26 @@ class CompiledRules:
                 best, best_p = i, p
         return self.labels[best], float(probs[best])
 
+    def verdict(self, probs: Sequence[float], allowed: Sequence[bool]) -> tuple[str, float, bool]:
+        """:meth:`winner`, and whether every alarm label is ``below`` (the quiet window).
+
+        One pass for the hot path: a quiet window needs no :meth:`levels`.
+        """
+        best, best_p = 0, -1.0
+        quiet = True
+        margin = self.hysteresis.margin
+        thresholds = self.thresholds
+        for i in range(1, len(self.labels)):
+            if not allowed[i]:
+                continue  # a masked label counts as below
+            p = probs[i]
+            t = thresholds[i]
+            if p >= t - margin:
+                quiet = False
+                if p >= t and p > best_p:
+                    best, best_p = i, p
+        return self.labels[best], float(probs[best]), quiet
+
     def levels(self, probs: Sequence[float], allowed: Sequence[bool]) -> dict[str, Level]:
         """The hysteresis event of every alarm label; a masked label counts as ``below``."""
         margin = self.hysteresis.margin
@@ -391,6 +411,7 @@ class AlarmTracker:
         self.raised_total = 0
         self.cleared_total = 0
         self._active: frozenset[str] = frozenset()
+        self._unsettled = 0  # labels whose phase is not CLEAR
         # step() is pure and its states are few (phase x streak below the limits): each
         # (state, level) is computed once.
         self._next: dict[tuple[AlarmState, Level], AlarmState] = {}
@@ -420,6 +441,7 @@ class AlarmTracker:
             if new is old or new == old:
                 continue
             states[label] = new
+            self._unsettled += (old.phase is Phase.CLEAR) - (new.phase is Phase.CLEAR)
             changed = True
             if new.active and not old.active:
                 raised.append(label)
@@ -435,12 +457,18 @@ class AlarmTracker:
         """The labels whose alarm is up."""
         return self._active
 
+    def settled(self) -> bool:
+        """Whether every alarm is clear and counting nothing: then a window with every
+        level ``below`` changes nothing, and the caller need not call :meth:`update`."""
+        return self._unsettled == 0
+
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the state of every label not in ``keep`` (a swapped-in model lost it)."""
         keep = set(keep)
         for label in [lb for lb in self.states if lb not in keep]:
             del self.states[label]
         self._active = frozenset(label for label, s in self.states.items() if s.active)
+        self._unsettled = sum(s.phase is not Phase.CLEAR for s in self.states.values())
 
 
 _CLEAR = AlarmState()

@@ -662,8 +662,18 @@ class LoadedModel:
             self._check_values(ref)
         # The float buffer of predict() is free again (its int8 result is in _q3): warm.
         self._quantize_into(self._extract.groups(ref), self._qf, self._ref_q3)
+        return self._occluded_int8(self._ref_t)
+
+    def level_occlusion(self, noise: npt.NDArray[Any], base: npt.NDArray[Any]) -> LevelOcclusion:
+        """Occlusion by ``level + noise`` columns, the reasoning stage's alarm path: see
+        :class:`LevelOcclusion`. ``base`` is the per-signal level computed exactly."""
+        return LevelOcclusion(self, noise, base)
+
+    def _occluded_int8(self, ref_t: Int8Array) -> FloatArray:
+        """Rows of :meth:`predict_occluded` for the last predicted window and a reference
+        given as int8 features in ``(signal, step, group)`` order."""
         np.copyto(self._occ_q4, self._q3)
-        np.copyto(self._occ_diag, self._ref_t)
+        np.copyto(self._occ_diag, ref_t)
         occ = self._occ
         if occ is not None:
             occ.set_tensor(self._occ_in, self._occ_q)
@@ -695,6 +705,80 @@ class LoadedModel:
     def threshold_array(self) -> FloatArray:
         """Per-label thresholds in label order (``inf`` for ``normal``), for :func:`decide`."""
         return self._threshold_array.copy()
+
+
+class LevelOcclusion:
+    """Occlusion with each signal in turn replaced by ``level + noise``, in one batched run.
+
+    ``noise`` is a fixed ``(window, n_signals)`` pattern of normal step noise; ``level`` a
+    per-signal value. Both methods return what :meth:`LoadedModel.predict_occluded` returns
+    and must be called right after :meth:`LoadedModel.predict` of ``values`` (they reuse its
+    int8 input; another array raises ``ValueError``).
+
+    * :meth:`at_base`: the level is ``base``, fixed at construction. The reference's int8
+      features are computed once, exactly: rows equal ``predict_occluded(values, base +
+      noise)`` bit for bit.
+    * :meth:`at`: any level, e.g. the window's own median. A feature channel either reads the
+      standardized value (the level channel) or a step between two samples (the step
+      channels: difference, "unchanged"). The steps of ``level + noise`` are the steps of
+      ``noise`` whatever the level, so they are taken from ``base + noise``, and only the
+      level channel is computed per call, with the standardization and the int8 scale
+      folded into one multiply-add. Why: the alarm path is rare and runs cold, and this
+      is five numpy calls where computing the reference's features and quantizing them
+      took eighteen. The price: float32 rounds ``level + noise`` differently from ``base +
+      noise``, so on some windows a few reference cells differ by one int8 step from
+      ``predict_occluded(values, level + noise)`` (the test suite bounds it).
+    """
+
+    __slots__ = ("_base_t", "_c", "_gain", "_model", "_qz", "_ref_t", "_ref_z", "_tmp")
+
+    def __init__(self, model: LoadedModel, noise: npt.NDArray[Any], base: npt.NDArray[Any]) -> None:
+        shape = model._window_shape
+        noise = np.asarray(noise, dtype=np.float32)
+        base = np.asarray(base, dtype=np.float32)
+        if noise.shape != shape or base.shape != shape[1:]:
+            raise ValueError(
+                f"expected noise of shape {shape} and base of shape {shape[1:]}, "
+                f"got {noise.shape} and {base.shape}"
+            )
+        self._model = model
+        window, groups, n = model._q3.shape
+        base_q3 = np.empty((window, groups, n), dtype=np.int8)
+        model._quantize_into(model._extract.groups(base + noise), model._qf, base_q3)
+        self._base_t = base_q3.transpose(2, 0, 1)
+        # at()'s reference: the base's step channels, its level channel rewritten per call.
+        ref_q3 = base_q3.copy()
+        self._ref_t = ref_q3.transpose(2, 0, 1)
+        self._ref_z = ref_q3[:, 0, :]
+        # The level channel in int8 units before rounding and clipping:
+        # ((level + noise) - mean) / std / scale + zero_point == level * gain + c.
+        spec = model.manifest.features
+        self._gain = (np.float32(1.0) / spec.std).astype(np.float32) * model._in_inv_scale
+        mean = spec.mean.astype(np.float32)
+        self._c = ((noise - mean) * self._gain + model._in_zp).astype(np.float32)
+        self._tmp = np.empty(n, dtype=np.float32)
+        self._qz = np.empty((window, n), dtype=np.float32)
+
+    def _check(self, values: npt.NDArray[Any]) -> LoadedModel:
+        model = self._model
+        if values is not model._last:
+            raise ValueError("values is not the window of the model's last predict()")
+        return model
+
+    def at_base(self, values: npt.NDArray[Any]) -> FloatArray:
+        """Rows of ``predict_occluded(values, base + noise)``, exactly."""
+        return self._check(values)._occluded_int8(self._base_t)
+
+    def at(self, values: npt.NDArray[Any], level: npt.NDArray[Any]) -> FloatArray:
+        """Rows with signal ``i`` replaced by ``level[i] + noise[:, i]`` (see the class)."""
+        model = self._check(values)
+        qz = self._qz
+        np.multiply(level, self._gain, out=self._tmp)
+        np.add(self._c, self._tmp, out=qz)
+        np.maximum(qz, model._qlo, out=qz)
+        np.minimum(qz, model._qhi, out=qz)
+        np.rint(qz, out=self._ref_z, casting="unsafe")
+        return model._occluded_int8(self._ref_t)
 
 
 def _is_delegated(interpreter: _Interpreter) -> bool:
@@ -892,6 +976,7 @@ __all__ = [
     "DEFAULT_MODEL_DIR",
     "MAX_MANIFEST_BYTES",
     "MAX_MODEL_BYTES",
+    "LevelOcclusion",
     "LoadedModel",
     "ModelManifest",
     "TensorSpec",

@@ -282,7 +282,10 @@ def test_precise_wait_never_returns_early_and_spins_at_most_spin_ns() -> None:
         assert waiter.mode == "timerfd"
         assert waiter.waits == 20
         assert min(late) >= 0
-        assert 0.25 * 20 * spin < waiter.spin_total_ns <= 20 * spin + sum(late)
+        # Spinning is thread CPU time, so it cannot exceed the wall time from wake-up to
+        # return; how much of the spin window is left after a late wake-up depends on the
+        # machine's load, so the lower bound is only that it spun at all.
+        assert 0 < waiter.spin_total_ns <= 20 * spin + sum(late)
     with PreciseWait(spin_ns=spin, use_timerfd=False) as sleeper:
         late = asyncio.run(main(sleeper))
         assert sleeper.mode == "sleep"

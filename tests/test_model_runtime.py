@@ -480,6 +480,52 @@ def test_predict_occluded_is_one_predict_per_signal(
         np.testing.assert_array_equal(loaded.dequantize(one_by_one).reshape(got.shape), got)
 
 
+@pytest.mark.parametrize("backend", AVAILABLE)
+def test_level_occlusion_reference_is_level_channel_plus_base_steps(
+    backend: str, windows: npt.NDArray[np.float32]
+) -> None:
+    """at_base() is predict_occluded() of base + noise, exactly. at()'s reference has the
+    step channels of base + noise, exactly, and the level channel of level + noise within
+    one int8 step (the folded multiply-add rounds differently on a few cells)."""
+    loaded = load_model(backend=backend)
+    m = loaded.manifest
+    rng = np.random.default_rng(4)
+    noise = (rng.standard_normal(windows[0].shape) * m.features.diff_scale / 2).astype(np.float32)
+    base = np.asarray([m.mean[s] for s in m.signals], dtype=np.float32)
+    occlusion = loaded.level_occlusion(noise, base)
+    base_q3 = np.empty_like(loaded._ref_q3)
+    loaded._quantize_into(loaded._extract.groups(base + noise), loaded._qf, base_q3)
+    exact_q3 = np.empty_like(loaded._ref_q3)
+    cells = differing = 0
+    for case, _ in _occlusion_cases(windows):
+        x = np.where(np.isnan(case), base, case).astype(np.float32)
+        loaded.predict(x)
+        exact_base = loaded.predict_occluded(x, base + noise)
+        loaded.predict(x)
+        np.testing.assert_array_equal(occlusion.at_base(x), exact_base)
+        level = np.median(x, axis=0).astype(np.float32)
+        loaded.predict(x)
+        rows = occlusion.at(x, level)
+        fast_q3 = occlusion._ref_t.transpose(1, 2, 0)
+        np.testing.assert_array_equal(fast_q3[:, 1:], base_q3[:, 1:])
+        loaded._quantize_into(loaded._extract.groups(level + noise), loaded._qf, exact_q3)
+        step = np.abs(fast_q3[:, 0].astype(np.int16) - exact_q3[:, 0].astype(np.int16))
+        assert step.max() <= 1
+        cells += step.size
+        differing += int(np.count_nonzero(step))
+        # The rows are the model's on that reference: one predict() per signal.
+        for i in range(len(SIGNALS)):
+            occluded = loaded._q3.copy()  # x's int8 input
+            occluded[:, :, i] = fast_q3[:, :, i]
+            expected = loaded.dequantize(loaded.invoke_int8(occluded.reshape(loaded._q.shape)))
+            np.testing.assert_array_equal(rows[i], expected)
+    assert differing <= cells // 100, (differing, cells)
+    with pytest.raises(ValueError, match="not the window of the model's last predict"):
+        occlusion.at(windows[0].copy(), base)
+    with pytest.raises(ValueError, match="expected noise of shape"):
+        loaded.level_occlusion(noise[:32], base)
+
+
 def test_predict_occluded_after_predict_needs_that_window(
     model: LoadedModel, windows: npt.NDArray[np.float32]
 ) -> None:

@@ -117,6 +117,34 @@ def test_tracker_reports_raised_and_cleared_labels() -> None:
     assert (alarms, raised, cleared) == (frozenset(), (), ("spike",))
 
 
+def test_tracker_settled_is_every_state_clear_and_verdict_matches_levels() -> None:
+    """The stage skips the tracker when verdict() says quiet and settled() holds: both must
+    agree with levels() and the states, on any sequence (random, fixed seed)."""
+    rng = np.random.default_rng(8)
+    rules = RuleSet(hysteresis=HysteresisSpec(raise_after=2, clear_after=3, margin=0.1)).compile(
+        LABELS, SIGNALS, MODEL_THRESHOLDS
+    )
+    tracker = AlarmTracker(rules.hysteresis)
+    saw_quiet_unsettled = 0
+    for k in range(3000):
+        probs = rng.dirichlet(np.ones(len(LABELS)) * 0.3).tolist()
+        allowed = (rng.random(len(LABELS)) > 0.1).tolist()
+        label, score, quiet = rules.verdict(probs, allowed)
+        levels = rules.levels(probs, allowed)
+        assert (label, score) == rules.winner(probs, allowed)
+        assert quiet == all(level is Level.BELOW for level in levels.values())
+        if quiet and not tracker.settled():
+            saw_quiet_unsettled += 1
+        tracker.update(levels)
+        assert tracker.settled() == all(st.phase is Phase.CLEAR for st in tracker.states.values())
+        if k == 1500:
+            tracker.forget(["spike"])
+            assert tracker.settled() == all(
+                st.phase is Phase.CLEAR for st in tracker.states.values()
+            )
+    assert saw_quiet_unsettled > 0  # the case the stage must not skip happened
+
+
 def test_hysteresis_spec_validation() -> None:
     with pytest.raises(ValueError, match="raise_after"):
         HysteresisSpec(raise_after=0)
