@@ -38,10 +38,11 @@ typecheck: venv
 unit: venv
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-## test-tflite: the model and reasoning tests again on the tflite_runtime backend (numpy < 2)
+## test-tflite: the model, kernel and reasoning tests again on tflite_runtime (numpy < 2)
 test-tflite: $(TFLITE_VENV)/.installed-edgefleet
 	EDGEFLEET_TFLITE_BACKEND=tflite_runtime $(TFLITE_VENV)/bin/pytest $(PYTEST_ARGS) \
-		tests/test_model_runtime.py tests/test_model_card.py tests/test_reasoning.py tests/test_rules.py
+		tests/test_model_runtime.py tests/test_model_card.py tests/test_reasoning.py tests/test_rules.py \
+		tests/test_model_kernels.py
 
 $(TFLITE_VENV)/.installed-edgefleet: pyproject.toml
 	@scripts/ensure-system-deps python3-venv

@@ -15,8 +15,10 @@ paced_p50_us / paced_p99_us and paced_bare_invoke_p50_us / _p99_us (one window e
 the CPU idling in between as in the agent; interleaved, so both see the same machine),
 bare_invoke_p50_us, bare_invoke_p99_us (back to back), ratio_p99 (stage / bare),
 windows, alarm_windows, backend, threads, occlusion_batched (one batched invoke per
-attribution, else one per signal), host_stalls_per_s / host_stall_p50_us (how often and
-how long the CPU was taken from a tight loop in the same run: the machine's noise floor).
+attribution, else one per signal), jit (features and quantization compiled by numba; off
+with --no-jit, as under the hardened systemd unit), host_stalls_per_s / host_stall_p50_us
+(how often and how long the CPU was taken from a tight loop in the same run: the
+machine's noise floor).
 Target: P99 of the stage <= 100 µs on the normal path.
 """
 
@@ -59,8 +61,10 @@ def host_stalls(seconds: float = 0.5, threshold_ns: int = 5_000) -> tuple[float,
     return len(gaps) / seconds, round(float(np.median(gaps)) / 1000.0, 1) if gaps else 0.0
 
 
-def run(iterations: int, plant_seconds: float, paced_windows: int) -> dict[str, object]:
-    model = load_model()
+def run(
+    iterations: int, plant_seconds: float, paced_windows: int, jit: bool | None = None
+) -> dict[str, object]:
+    model = load_model(jit=jit)
     anomalies = [
         parse_anomaly(f"spike:{sig}@{start}+2x{mag}")
         for sig, start, mag in (("current", 40, 8), ("speed", 100, 200), ("vibration", 160, 3))
@@ -140,6 +144,7 @@ def run(iterations: int, plant_seconds: float, paced_windows: int) -> dict[str, 
         "backend": model.backend,
         "threads": model.threads,
         "occlusion_batched": model.occlusion_batched,
+        "jit": model.jit,
         "machine": platform.machine(),
         "host_stalls_per_s": round(stalls_per_s, 1),
         "host_stall_p50_us": stall_us,
@@ -151,18 +156,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="5 000 windows instead of 50 000")
     ap.add_argument("--json", action="store_true", help="print the JSON result as the last line")
+    ap.add_argument(
+        "--no-jit",
+        action="store_true",
+        help="features and quantization on numpy, as under the hardened systemd unit",
+    )
     args = ap.parse_args()
     r = run(
         5_000 if args.quick else 50_000,
         120.0 if args.quick else 240.0,
         500 if args.quick else 3_000,
+        jit=False if args.no_jit else None,
     )
     share = r["alarm_share"]
     assert isinstance(share, float)
     print(
         f"reasoning stage: {r['windows']} windows ({r['distinct_windows']} distinct, "
         f"{share * 100:.1f}% on the alarm path), {r['backend']}, "
-        f"{r['threads']} thread(s), {r['machine']}"
+        f"{r['threads']} thread(s), {r['machine']}, "
+        f"features {'compiled' if r['jit'] else 'numpy'}"
     )
     print(f"  all windows   p50 {r['p50_us']} µs  p99 {r['p99_us']} µs")
     print(

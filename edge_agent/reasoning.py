@@ -89,6 +89,7 @@ from edge_agent.rules import (
     dropout_finding,
 )
 from models import ModelManifest
+from models.runtime import ColumnMedian
 
 FloatArray = npt.NDArray[np.float32]
 T = TypeVar("T")
@@ -121,15 +122,13 @@ class PreparedModel:
     normal_mean: FloatArray
     step_noise: FloatArray
     level_ref: FloatArray
-    #: The window's per-signal median (the level of the dynamics-fault reference), buffered.
-    median: ColumnMedian
     #: Right after ``model.predict(values)``, the probabilities with each signal in turn
     #: replaced, one row per signal: ``occlude_normal(values)`` by ``level_ref``;
-    #: ``occlude_at(values, level)`` by ``level + step_noise`` (the model's batched
-    #: :class:`~models.runtime.LevelOcclusion` reusing that call's int8 input, when it
-    #: has one; else one ``predict()`` per signal).
+    #: ``occlude_median(values, x)`` by ``np.median(x, axis=0) + step_noise`` (the model's
+    #: batched :class:`~models.runtime.LevelOcclusion` reusing that call's int8 input,
+    #: when it has one; else one ``predict()`` per signal).
     occlude_normal: Callable[[FloatArray], FloatArray]
-    occlude_at: Callable[[FloatArray, FloatArray], FloatArray]
+    occlude_median: Callable[[FloatArray, FloatArray], FloatArray]
     #: The model's, copied here: every decision records them.
     sha256: str
     version: str
@@ -316,10 +315,12 @@ class ReasoningStage:
         make = getattr(model, "level_occlusion", None)
         if callable(make):
             batched = make(noise, mean)
-            occlude_normal, occlude_at = batched.at_base, batched.at
+            occlude_normal, occlude_median = batched.at_base, batched.at_median
         else:
             occlude_normal = partial(_occluded_one_by_one, model, ref=level_ref)
-            occlude_at = partial(_occluded_at_one_by_one, model, noise)
+            occlude_median = partial(
+                _occluded_at_median_one_by_one, model, noise, ColumnMedian(*noise.shape)
+            )
         model.predict(level_ref)  # warm-up, see above
         prepared = PreparedModel(
             model=model,
@@ -329,9 +330,8 @@ class ReasoningStage:
             normal_mean=mean,
             step_noise=noise,
             level_ref=level_ref,
-            median=ColumnMedian(m.window, len(m.signals)),
             occlude_normal=occlude_normal,
-            occlude_at=occlude_at,
+            occlude_median=occlude_median,
             sha256=model.sha256,
             version=m.version,
         )
@@ -530,7 +530,13 @@ class ReasoningStage:
             "alarms_raised": self.tracker.raised_total,
             "alarms_cleared": self.tracker.cleared_total,
             "breaker": self.breaker.snapshot(),
-            "model": {"name": m.name, "version": m.version, "sha256": self._active.sha256},
+            "model": {
+                "name": m.name,
+                "version": m.version,
+                "sha256": self._active.sha256,
+                # Features and quantization compiled (models.kernels) or on numpy.
+                "jit": bool(getattr(self._active.model, "jit", False)),
+            },
             "by_model": dict(st.by_model),
             "swaps": st.swaps,
             "swaps_refused": st.swaps_refused,
@@ -594,7 +600,7 @@ def _occlusion(
         if math.isnan(np.add.reduce(x, axis=None)):
             # A never-seen signal (NaN) sits at its normal mean, as the model's features see it.
             x = np.where(np.isnan(x), active.normal_mean, x)
-        rows = active.occlude_at(values, active.median(x))
+        rows = active.occlude_median(values, x)
     probs: list[float] = rows[:, active.rules.labels.index(label)].tolist()
     drops: list[tuple[str, float]] = []
     for name, p in zip(active.signals, probs, strict=True):
@@ -619,44 +625,10 @@ def _occluded_one_by_one(model: Scorer, values: FloatArray, ref: FloatArray) -> 
     return np.stack(rows)
 
 
-def _occluded_at_one_by_one(
-    model: Scorer, noise: FloatArray, values: FloatArray, level: FloatArray
+def _occluded_at_median_one_by_one(
+    model: Scorer, noise: FloatArray, median: ColumnMedian, values: FloatArray, x: FloatArray
 ) -> FloatArray:
-    return _occluded_one_by_one(model, values, level + noise)
-
-
-class ColumnMedian:
-    """``np.median(x, axis=0)`` for NaN-free float32 ``(rows, n)`` windows, bit for bit.
-
-    The level of the reference occlusion puts in for a fault of the dynamics. One in-place
-    partition of each column and the mean of the middle pair, as numpy's median does, into
-    buffers made once: four numpy calls instead of numpy's general-purpose median (axis
-    handling, NaN checks, temporaries: tens of µs). The alarm path is rare, so its code and
-    data are cold when it runs, and every call it makes costs several times its warm price.
-    The result is a buffer the next call overwrites.
-    """
-
-    __slots__ = ("_cols", "_hi", "_kth", "_lo", "_mid")
-
-    def __init__(self, rows: int, n: int) -> None:
-        half = rows // 2
-        self._cols = np.empty((n, rows), dtype=np.float32)
-        self._kth = (half,) if rows % 2 else (half - 1, half)
-        self._lo = self._cols[:, self._kth[0]]
-        self._hi = self._cols[:, half]
-        self._mid = np.empty(n, dtype=np.float32)
-
-    def __call__(self, x: FloatArray) -> FloatArray:
-        cols = self._cols
-        np.copyto(cols, x.T)
-        cols.partition(self._kth, axis=1)
-        if len(self._kth) == 1:
-            np.copyto(self._mid, self._hi)
-            return self._mid
-        mid = self._mid
-        np.add(self._lo, self._hi, out=mid)
-        np.multiply(mid, 0.5, out=mid)  # == / 2 exactly (a power of two)
-        return mid
+    return _occluded_one_by_one(model, values, median(x) + noise)
 
 
 def _occlusion_constants(m: ModelManifest) -> tuple[FloatArray, FloatArray]:
@@ -699,7 +671,6 @@ def model_info(model: Scorer) -> Mapping[str, str]:
 __all__ = [
     "LATENCY_HISTORY",
     "LEVEL_LABELS",
-    "ColumnMedian",
     "DropOldestQueue",
     "Evaluation",
     "ModelMismatch",

@@ -78,6 +78,7 @@ from edge_agent.uplink.telemetry import (
 )
 from models import load_model
 from models.errors import ModelError
+from models.kernels import unavailable_reason
 from wire.messages import Message, SignalStats
 
 log = logging.getLogger(__name__)
@@ -860,12 +861,13 @@ def build_stage(config: AgentConfig) -> ReasoningStage:
         raise ModelMismatch(f"reasoning: {where} does not fit this config: {exc}") from None
     m = model.manifest
     log.info(
-        "reasoning: model %s %s sha256=%s backend=%s threads=%d",
+        "reasoning: model %s %s sha256=%s backend=%s threads=%d features=%s",
         m.name,
         m.version,
         model.sha256[:12],
         model.backend,
         rc.threads,
+        "compiled" if model.jit else f"numpy ({unavailable_reason() or 'jit=False'})",
     )
     return stage
 

@@ -155,6 +155,21 @@ class FeatureExtractor:
         self._z, self._diff, self._same = g[0], g[1, 1:], g[2, 1:]
         self._now, self._before = g[0, 1:], g[0, :-1]
 
+    @property
+    def mean(self) -> FloatArray:
+        """Per-signal mean subtracted (float32, as used)."""
+        return self._mean
+
+    @property
+    def inv_std(self) -> FloatArray:
+        """Per-signal ``1 / std`` (float32, as used)."""
+        return self._inv_std
+
+    @property
+    def ratio(self) -> FloatArray:
+        """Per-signal ``std / diff_scale``: the step channel's scale (float32, as used)."""
+        return self._ratio
+
     def groups(self, values: npt.NDArray[np.floating]) -> FloatArray:
         z = self._z
         np.subtract(values, self._mean, out=z)

@@ -40,9 +40,11 @@ the caller keeps the model it runs):
 
 A :class:`LoadedModel` is not thread-safe (its interpreters and buffers are reused): give each
 thread its own. It holds a second interpreter of the same bytes whose input takes one window
-per signal, for occlusion attribution in one invoke (:meth:`LoadedModel.predict_occluded`).
-``predict()`` takes ~20 us (LiteRT) to ~40 us (tflite_runtime) on an x86 core, so calling it
-inline on the event loop is fine.
+per signal, for occlusion attribution in one invoke (:meth:`LoadedModel.predict_occluded`,
+:class:`LevelOcclusion`). Features and quantization run through the compiled kernels of
+:mod:`models.kernels` when numba can run (:attr:`LoadedModel.jit`), else on numpy; the
+int8 input is the same. ``predict()`` takes ~12-20 us (LiteRT) to ~40 us (tflite_runtime)
+on an x86 core, so calling it inline on the event loop is fine.
 """
 
 from __future__ import annotations
@@ -66,6 +68,18 @@ import numpy.typing as npt
 
 from models.errors import BackendUnavailable, ModelRejected
 from models.features import FEATURES_NAME, GROUPS, FeatureExtractor, FeatureSpec
+from models.kernels import (
+    P_INV_STD,
+    P_MEAN,
+    P_RATIO,
+    P_SCALARS,
+    S_INV_SCALE,
+    S_QHI,
+    S_QLO,
+    S_ZERO_POINT,
+    kernels,
+    unavailable_reason,
+)
 
 DEFAULT_MODEL_DIR: Final = Path(__file__).resolve().parent / "motor_drive"
 MANIFEST_NAME: Final = "manifest.json"
@@ -458,6 +472,8 @@ class LoadedModel:
         "_in_shape",
         "_in_zp",
         "_interp",
+        "_kernels",
+        "_kparams",
         "_last",
         "_normal_index",
         "_occ",
@@ -480,6 +496,7 @@ class LoadedModel:
         "_window_shape",
         "backend",
         "delegated",
+        "jit",
         "manifest",
         "occlusion_batched",
         "path",
@@ -497,6 +514,7 @@ class LoadedModel:
         interpreter: _Interpreter,
         delegated: bool,
         occluder: _Interpreter | None = None,
+        jit: bool | None = None,
     ) -> None:
         self.manifest = manifest
         self.sha256 = manifest.sha256
@@ -524,6 +542,25 @@ class LoadedModel:
         clip = np.array([manifest.features.clip, -manifest.features.clip], dtype=np.float32)
         qhi, qlo = self._quantize(clip)
         self._qhi, self._qlo = np.float32(qhi), np.float32(qlo)
+        # The compiled features-and-quantization (models.kernels), fed the same constants
+        # as the numpy path; None: numpy. jit None follows EDGEFLEET_JIT.
+        self._kernels = kernels() if jit is not False else None
+        if jit and self._kernels is None:
+            raise BackendUnavailable(
+                f"jit=True but the compiled kernels are unavailable: {unavailable_reason()}"
+            )
+        self.jit = self._kernels is not None
+        kp = np.zeros((4, len(manifest.signals)), dtype=np.float32)
+        kp[P_MEAN] = self._extract.mean
+        kp[P_INV_STD] = self._extract.inv_std
+        kp[P_RATIO] = self._extract.ratio
+        kp[P_SCALARS, [S_INV_SCALE, S_ZERO_POINT, S_QLO, S_QHI]] = (
+            self._in_inv_scale,
+            self._in_zp,
+            self._qlo,
+            self._qhi,
+        )
+        self._kparams = kp
         # Indexed by the int8 value's bit pattern (q.view(uint8)).
         self._dequant_lut = self._dequantize(np.arange(256, dtype=np.uint8).view(np.int8))
         self._threshold_array = np.array(
@@ -613,7 +650,7 @@ class LoadedModel:
         """Label probabilities ``(n_labels,)`` for one window ``(window, n_signals)``."""
         if values.shape != self._window_shape:
             self._check_values(values)
-        self._quantize_into(self._extract.groups(values), self._qf, self._q3)
+        self._features_into(values, self._q3)
         self._last = values
         interp = self._interp
         interp.set_tensor(self._in_index, self._q)
@@ -622,6 +659,14 @@ class LoadedModel:
         return cast(
             FloatArray, self._dequant_lut.take(interp.get_tensor(self._out_index).view(np.uint8)[0])
         )
+
+    def _features_into(self, values: npt.NDArray[Any], q: Int8Array) -> None:
+        """``q`` = the int8 input of ``values``: compiled when it can be, else numpy."""
+        k = self._kernels
+        if k is not None and values.dtype == np.float32:
+            k.features_int8(values, self._kparams, q)
+        else:
+            self._quantize_into(self._extract.groups(values), self._qf, q)
 
     def _quantize_into(self, features: FloatArray, qf: FloatArray, q: Int8Array) -> None:
         """``q = quantize(clip(features))`` through the float buffer ``qf`` (same shapes)."""
@@ -656,12 +701,11 @@ class LoadedModel:
                 raise ValueError("after_predict: values is not the window of the last predict()")
         else:
             self._check_values(values)
-            self._quantize_into(self._extract.groups(values), self._qf, self._q3)
+            self._features_into(values, self._q3)
             self._last = values
         if ref.shape != self._window_shape:
             self._check_values(ref)
-        # The float buffer of predict() is free again (its int8 result is in _q3): warm.
-        self._quantize_into(self._extract.groups(ref), self._qf, self._ref_q3)
+        self._features_into(ref, self._ref_q3)
         return self._occluded_int8(self._ref_t)
 
     def level_occlusion(self, noise: npt.NDArray[Any], base: npt.NDArray[Any]) -> LevelOcclusion:
@@ -674,6 +718,10 @@ class LoadedModel:
         given as int8 features in ``(signal, step, group)`` order."""
         np.copyto(self._occ_q4, self._q3)
         np.copyto(self._occ_diag, ref_t)
+        return self._run_occluded()
+
+    def _run_occluded(self) -> FloatArray:
+        """The probabilities of the batch of occluded inputs already in place."""
         occ = self._occ
         if occ is not None:
             occ.set_tensor(self._occ_in, self._occ_q)
@@ -730,7 +778,19 @@ class LevelOcclusion:
       ``predict_occluded(values, level + noise)`` (the test suite bounds it).
     """
 
-    __slots__ = ("_base_t", "_c", "_gain", "_model", "_qz", "_ref_t", "_ref_z", "_tmp")
+    __slots__ = (
+        "_base_q3",
+        "_base_t",
+        "_bounds",
+        "_c",
+        "_gain",
+        "_median",
+        "_model",
+        "_qz",
+        "_ref_t",
+        "_ref_z",
+        "_tmp",
+    )
 
     def __init__(self, model: LoadedModel, noise: npt.NDArray[Any], base: npt.NDArray[Any]) -> None:
         shape = model._window_shape
@@ -745,6 +805,7 @@ class LevelOcclusion:
         window, groups, n = model._q3.shape
         base_q3 = np.empty((window, groups, n), dtype=np.int8)
         model._quantize_into(model._extract.groups(base + noise), model._qf, base_q3)
+        self._base_q3 = base_q3
         self._base_t = base_q3.transpose(2, 0, 1)
         # at()'s reference: the base's step channels, its level channel rewritten per call.
         ref_q3 = base_q3.copy()
@@ -758,6 +819,8 @@ class LevelOcclusion:
         self._c = ((noise - mean) * self._gain + model._in_zp).astype(np.float32)
         self._tmp = np.empty(n, dtype=np.float32)
         self._qz = np.empty((window, n), dtype=np.float32)
+        self._bounds = np.array([model._qlo, model._qhi], dtype=np.float32)
+        self._median = ColumnMedian(window, n)
 
     def _check(self, values: npt.NDArray[Any]) -> LoadedModel:
         model = self._model
@@ -780,6 +843,54 @@ class LevelOcclusion:
         np.rint(qz, out=self._ref_z, casting="unsafe")
         return model._occluded_int8(self._ref_t)
 
+    def at_median(self, values: npt.NDArray[Any], x: npt.NDArray[Any]) -> FloatArray:
+        """:meth:`at` with the level ``np.median(x, axis=0)``; ``x`` has no NaN (usually
+        ``values`` itself). Median, level channel and the batch of occluded inputs are one
+        compiled call when the model has the kernels (the same int8 cells, see
+        :mod:`models.kernels`)."""
+        model = self._check(values)
+        k = model._kernels
+        if k is None or x.dtype != np.float32:
+            return self.at(values, self._median(x))
+        k.occlusion_batch_int8(
+            x, self._gain, self._c, self._bounds, model._q3, self._base_q3, model._occ_q4
+        )
+        return model._run_occluded()
+
+
+class ColumnMedian:
+    """``np.median(x, axis=0)`` for NaN-free float32 ``(rows, n)`` windows, bit for bit.
+
+    One in-place partition of each column and the mean of the middle pair, as numpy's
+    median does, into buffers made once: four numpy calls instead of numpy's
+    general-purpose median (axis handling, NaN checks, temporaries: tens of µs). The
+    occlusion path is rare, so its code and data are cold when it runs, and every call it
+    makes costs several times its warm price. The result is a buffer the next call
+    overwrites.
+    """
+
+    __slots__ = ("_cols", "_hi", "_kth", "_lo", "_mid")
+
+    def __init__(self, rows: int, n: int) -> None:
+        half = rows // 2
+        self._cols = np.empty((n, rows), dtype=np.float32)
+        self._kth = (half,) if rows % 2 else (half - 1, half)
+        self._lo = self._cols[:, self._kth[0]]
+        self._hi = self._cols[:, half]
+        self._mid = np.empty(n, dtype=np.float32)
+
+    def __call__(self, x: npt.NDArray[Any]) -> FloatArray:
+        cols = self._cols
+        np.copyto(cols, x.T)
+        cols.partition(self._kth, axis=1)
+        if len(self._kth) == 1:
+            np.copyto(self._mid, self._hi)
+            return self._mid
+        mid = self._mid
+        np.add(self._lo, self._hi, out=mid)
+        np.multiply(mid, 0.5, out=mid)  # == / 2 exactly (a power of two)
+        return mid
+
 
 def _is_delegated(interpreter: _Interpreter) -> bool:
     """Whether a delegate (XNNPACK) took over nodes of the execution plan."""
@@ -799,8 +910,14 @@ def load_model(
     backend: str | None = None,
     threads: int = 1,
     xnnpack: bool = True,
+    jit: bool | None = None,
 ) -> LoadedModel:
     """Load and check the model in ``model_dir`` (default: :data:`DEFAULT_MODEL_DIR`).
+
+    ``jit``: features and quantization through the compiled kernels of
+    :mod:`models.kernels` (identical int8 input, ~10 µs less per window): None (default)
+    when numba is importable and ``EDGEFLEET_JIT`` is not ``0``; False never; True or
+    :class:`BackendUnavailable`. :attr:`LoadedModel.jit` says which path runs.
 
     ``xnnpack=False`` builds the interpreter without the default delegate: slower, but its
     builtin int8 kernels give bit-identical outputs on every backend and version we test,
@@ -860,6 +977,7 @@ def load_model(
         occluder=_occlusion_interpreter(
             module, data, threads=threads, options=options, manifest=manifest, delegated=delegated
         ),
+        jit=jit,
     )
 
 
@@ -976,6 +1094,7 @@ __all__ = [
     "DEFAULT_MODEL_DIR",
     "MAX_MANIFEST_BYTES",
     "MAX_MODEL_BYTES",
+    "ColumnMedian",
     "LevelOcclusion",
     "LoadedModel",
     "ModelManifest",

@@ -21,7 +21,7 @@ from drivers.sim.plant import SIGNALS, parse_anomaly
 from edge_agent.breaker import BreakerSpec
 from edge_agent.errors import ModelMismatch
 from edge_agent.perception import PerceptionSpec, Window
-from edge_agent.reasoning import ColumnMedian, DropOldestQueue, ReasoningStage
+from edge_agent.reasoning import DropOldestQueue, ReasoningStage
 from edge_agent.rules import (
     DROPOUT,
     AlarmTracker,
@@ -35,6 +35,7 @@ from edge_agent.rules import (
 from edge_agent.simwindows import T0_NS, plant_windows
 from models import LoadedModel, ModelManifest, load_model
 from models.errors import ModelRejected
+from models.runtime import ColumnMedian
 
 #: Spike heights that stand well out of each signal's noise (signal units).
 SPIKE = {

@@ -180,3 +180,18 @@ def test_install_doc_describes_the_slots(agent: configparser.ConfigParser) -> No
     assert "Agent updates: A/B slots" in doc
     assert argv[argv.index("--slots") + 1] in doc
     assert "python -m firmware.boot" in doc or "-m firmware.boot" in doc
+
+
+def test_jit_drop_in_lifts_only_the_write_execute_ban(agent: configparser.ConfigParser) -> None:
+    """The hardened unit keeps numba from mapping code (the agent falls back to numpy);
+    the documented drop-in lifts exactly that and gives numba a writable cache."""
+    drop_in = load("edge-agent-jit.conf")
+    s = drop_in["Service"]
+    assert agent["Service"]["MemoryDenyWriteExecute"] == "yes"
+    assert s["MemoryDenyWriteExecute"] == "no"
+    cache = s["Environment"].split("=", 1)
+    assert cache[0] == "NUMBA_CACHE_DIR"
+    # Under ProtectSystem=strict only the state directory is writable.
+    assert cache[1].startswith("/var/lib/edge-agent/")
+    assert set(s) == {"MemoryDenyWriteExecute", "Environment"}
+    assert "edge-agent-jit.conf" in INSTALL.read_text(encoding="utf-8")
