@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 
 from drivers.specs import (
     REGISTER_WIDTH,
@@ -185,6 +185,11 @@ class ReasoningSection(StrictModel):
     model_dir: Annotated[str, Field(min_length=1)] | None = None
     backend: Literal["auto", "ai_edge_litert", "tflite_runtime"] = "auto"
     threads: Annotated[int, Field(ge=1, le=64)] = 1
+    # true / false mean on / off: a TOML user may well write them.
+    jit: Annotated[
+        Literal["auto", "on", "off"],
+        BeforeValidator(lambda v: {True: "on", False: "off"}[v] if isinstance(v, bool) else v),
+    ] = "auto"
     top_signals: Annotated[int, Field(ge=0, le=64)] = 3
     thresholds: dict[Name, Annotated[float, Field(gt=0, le=1)]] = Field(default_factory=dict)
     hysteresis: HysteresisSection = Field(default_factory=HysteresisSection)
@@ -213,6 +218,8 @@ class ReasoningConfig:
 
     ``model_dir`` None means the model committed with the agent
     (:data:`models.DEFAULT_MODEL_DIR`); ``backend`` None means whichever runtime imports.
+    ``jit`` is :func:`models.load_model`'s: None where the compiled kernels can run, True
+    (required: loading fails without them), False (numpy).
     Labels named by ``rules`` and ``thresholds`` are checked against the model when it is
     loaded (the config alone does not know them).
     """
@@ -221,6 +228,7 @@ class ReasoningConfig:
     model_dir: Path | None
     backend: str | None
     threads: int
+    jit: bool | None
     rules: RuleSet
     breaker: BreakerSpec
     budget_ms: Mapping[str, float]
@@ -625,6 +633,7 @@ def _convert(model: AgentConfigModel, path: Path, base: Path) -> AgentConfig:
         model_dir=_resolve(rs.model_dir, base) if rs.model_dir is not None else None,
         backend=None if rs.backend == "auto" else rs.backend,
         threads=rs.threads,
+        jit={"auto": None, "on": True, "off": False}[rs.jit],
         rules=rules,
         breaker=BreakerSpec(
             budget_us=rs.budget_ms.reasoning * 1000.0,

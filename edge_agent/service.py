@@ -656,7 +656,7 @@ class Agent:
 
         def load() -> PreparedModel:
             try:
-                model = load_model(where, backend=rc.backend, threads=rc.threads)
+                model = load_model(where, backend=rc.backend, threads=rc.threads, jit=rc.jit)
             except ModelError as exc:
                 raise ReasoningError(f"reasoning: cannot load {where}: {exc}") from None
             return stage.prepare(model)
@@ -852,7 +852,7 @@ def build_stage(config: AgentConfig) -> ReasoningStage:
     rc = config.reasoning
     where = str(rc.model_dir) if rc.model_dir is not None else "the committed default model"
     try:
-        model = load_model(rc.model_dir, backend=rc.backend, threads=rc.threads)
+        model = load_model(rc.model_dir, backend=rc.backend, threads=rc.threads, jit=rc.jit)
     except ModelError as exc:
         raise ReasoningError(f"reasoning: cannot load {where}: {exc}") from None
     try:
@@ -867,7 +867,7 @@ def build_stage(config: AgentConfig) -> ReasoningStage:
         model.sha256[:12],
         model.backend,
         rc.threads,
-        "compiled" if model.jit else f"numpy ({unavailable_reason() or 'jit=False'})",
+        "compiled" if model.jit else f"numpy ({unavailable_reason() or 'reasoning.jit = off'})",
     )
     return stage
 

@@ -547,7 +547,7 @@ class LoadedModel:
         self._kernels = kernels() if jit is not False else None
         if jit and self._kernels is None:
             raise BackendUnavailable(
-                f"jit=True but the compiled kernels are unavailable: {unavailable_reason()}"
+                f"compiled kernels required (jit=True) but unavailable: {unavailable_reason()}"
             )
         self.jit = self._kernels is not None
         kp = np.zeros((4, len(manifest.signals)), dtype=np.float32)

@@ -1,12 +1,17 @@
 """Config: a good file converts to driver specs; every kind of bad input gets its exact error."""
 
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from drivers.specs import CanSpec, ModbusSpec
 from edge_agent.config import load_config, parse_config
-from edge_agent.errors import ConfigError
+from edge_agent.errors import ConfigError, ReasoningError
+from edge_agent.reasoning import ReasoningStage
+from edge_agent.service import build_stage
+from models import LoadedModel
+from models.kernels import JIT_ENV
 
 DATA = Path(__file__).parent / "data"
 
@@ -86,7 +91,7 @@ def test_reasoning_section_converts() -> None:
         GOOD
         + RULE.replace("value = 4.0", "value = 4")
         + (
-            "\n[reasoning]\nmodel_dir = 'm'\nbackend = 'tflite_runtime'\n"
+            "\n[reasoning]\nmodel_dir = 'm'\nbackend = 'tflite_runtime'\njit = 'off'\n"
             "[reasoning.thresholds]\ndrift = 1\n"
             "[reasoning.breaker]\nmode = 'rules_only'\n[reasoning.budget_ms]\nreasoning = 1.5\n"
         )
@@ -94,6 +99,7 @@ def test_reasoning_section_converts() -> None:
     rc = parse_config(text, base_dir=DATA).reasoning
     assert rc.model_dir == DATA / "m"  # resolved against the config's folder
     assert rc.backend == "tflite_runtime"
+    assert rc.jit is False
     assert rc.rules.thresholds == {"drift": 1.0}  # an integer is a fine probability
     (r,) = rc.rules.constraints
     assert (r.name, r.kind, r.label, str(r.when)) == ("r", "exclude", "drift", "speed.mean < 4")
@@ -101,6 +107,33 @@ def test_reasoning_section_converts() -> None:
     # Absent, the section means: the committed model, defaults everywhere.
     default = parse_config(GOOD, base_dir=DATA).reasoning
     assert (default.enabled, default.model_dir, default.backend) == (True, None, None)
+    assert default.jit is None  # auto: compiled where the kernels can run
+    on = parse_config(GOOD + "\n[reasoning]\njit = 'on'\n", base_dir=DATA).reasoning
+    assert on.jit is True
+    yes = parse_config(GOOD + "\n[reasoning]\njit = true\n", base_dir=DATA).reasoning
+    assert yes.jit is True
+    (error,) = parse(GOOD + "\n[reasoning]\njit = 'yes'\n")
+    assert error.startswith("reasoning.jit: "), error
+    assert "'auto', 'on' or 'off'" in error, error
+
+
+def test_reasoning_jit_reaches_the_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    example = Path(__file__).parent.parent / "examples" / "agent.toml"
+    text = example.read_text()
+    assert 'jit = "auto"' in text
+
+    def stage(value: str) -> ReasoningStage:
+        text_now = text.replace('jit = "auto"', f'jit = "{value}"')
+        return build_stage(parse_config(text_now, base_dir=example.parent))
+
+    assert isinstance(stage("off").model, LoadedModel)
+    assert not cast(LoadedModel, stage("off").model).jit
+    assert cast(LoadedModel, stage("on").model).jit  # numba is a dependency
+    monkeypatch.setenv(JIT_ENV, "0")
+    assert not cast(LoadedModel, stage("auto").model).jit
+    refused = r"cannot load .*required \(jit=True\).*EDGEFLEET_JIT=0"
+    with pytest.raises(ReasoningError, match=refused):
+        stage("on")
 
 
 def replace(old: str, new: str) -> str:
@@ -237,7 +270,7 @@ BAD += [
         "unknown reasoning key",
         GOOD + "\n[reasoning]\nmodeldir = 'x'\n",
         "reasoning.modeldir: unknown key; expected one of: enabled, model_dir, backend, "
-        "threads, top_signals, thresholds, hysteresis, budget_ms, breaker, rules",
+        "threads, jit, top_signals, thresholds, hysteresis, budget_ms, breaker, rules",
     ),
     (
         "unknown backend",
