@@ -3,7 +3,9 @@ and an ACL that confines every device to its own topic root.
 
 What Mosquitto 2.0.11 does with it (pinned by ``tests/test_fleet_pki.py``):
 
-- A client without a certificate, or with one from another CA, is refused during TLS: with
+- A client without a certificate, with one from another CA, or with one on the CA's
+  revocation list (``crlfile``; reloaded with the certificates on SIGHUP), is refused during
+  TLS: with
   TLS 1.3 the client's handshake completes and the broker then drops the connection ("peer
   did not return a certificate" / "certificate verify failed"), so no CONNACK ever arrives.
 - ``use_identity_as_username`` makes the CN the username, whatever CONNECT says, so
@@ -52,6 +54,7 @@ def render_broker_config(
     port: int = 8883,
     fleet_identity: str = "fleet",
     acl_path: Path,
+    crl: Path | None = None,
     bind: str = "0.0.0.0",  # noqa: S104 - a broker listens for gateways on the site network
     persistence_dir: Path | None = None,
     plain_port: int | None = None,
@@ -63,6 +66,7 @@ def render_broker_config(
     ``plain_port`` adds a loopback-only listener without TLS for local monitoring; anonymous
     clients there get only what the ACL grants anonymous users (``$SYS/#`` read), so it opens
     no path to device topics. ``log_file`` None logs to stderr (journald under systemd).
+    ``crl``: the CA's revocation list, checked for every client certificate.
 
     Started as root, Mosquitto 2.x switches to ``run_as`` (default: the ``mosquitto`` user)
     *before* it opens the key and the log, so that user must be able to read the 0600 key.
@@ -101,6 +105,7 @@ def render_broker_config(
         "",
         f"listener {port} {_value('bind', bind)}",
         f"cafile {_value('ca', ca)}",
+        *([f"crlfile {_value('crl', crl)}"] if crl is not None else []),
         f"certfile {_value('server_cert', server_cert)}",
         f"keyfile {_value('server_key', server_key)}",
         # The minimum version in Mosquitto 2.x (1.6 took it as the only one); 1.3 still works.
@@ -151,6 +156,7 @@ class BrokerFiles:
     conf: Path
     acl: Path
     ca_cert: Path
+    crl: Path
     server_cert: Path
     server_key: Path
     #: True if this run issued the server certificate (it was missing).
@@ -172,8 +178,10 @@ def write_broker_config(
     run_as: str | None = None,
     passphrase: bytes | None = None,
 ) -> BrokerFiles:
-    """Write ``mosquitto.conf``, ``acl``, ``ca.crt`` and (if missing) a server certificate for
-    ``hosts`` into ``out_dir``, all durably. An existing server certificate is kept only if
+    """Write ``mosquitto.conf``, ``acl``, ``ca.crt``, ``crl.pem`` (the CA's revocation list,
+    signed now if the CA has none yet) and (if missing) a server certificate for ``hosts``
+    into ``out_dir``, all durably. Run it again after ``fleet pki revoke``, then reload the
+    broker. An existing server certificate is kept only if
     this CA issued it; one from another CA is an error, not silently replaced.
 
     Refuses a ``fleet_identity`` that the CA issued as a *device* certificate: that device
@@ -212,6 +220,12 @@ def write_broker_config(
     local_ca = out_dir / pki.CA_CERT
     if local_ca.resolve() != ca_cert.resolve():
         pki.write_durable(local_ca, ca_cert.read_bytes())
+    crl_src = pki_dir / pki.CRL
+    if pki.read_crl(pki_dir) is None:  # a CA made before revocation existed
+        pki.write_crl(pki_dir, passphrase=passphrase)
+    local_crl = out_dir / pki.CRL
+    if local_crl.resolve() != crl_src.resolve():
+        pki.write_durable(local_crl, crl_src.read_bytes())
     acl = out_dir / ACL_NAME
     conf = out_dir / CONF_NAME
     pki.write_durable(acl, render_acl(fleet_identity).encode())
@@ -224,6 +238,7 @@ def write_broker_config(
             port=port,
             fleet_identity=fleet_identity,
             acl_path=acl,
+            crl=local_crl,
             bind=bind,
             persistence_dir=persistence_dir,
             plain_port=plain_port,
@@ -231,4 +246,4 @@ def write_broker_config(
             run_as=run_as,
         ).encode(),
     )
-    return BrokerFiles(conf, acl, local_ca, server_cert, server_key, issued)
+    return BrokerFiles(conf, acl, local_ca, local_crl, server_cert, server_key, issued)

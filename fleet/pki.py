@@ -8,11 +8,20 @@ as the topic layout (``wire.topics``): a CN with ``/``, ``+`` or ``#`` could esc
 Layout of a CA folder::
 
     ca.crt  ca.key (0600)        the CA
+    crl.pem                      its certificate revocation list (``revoke``), signed by it
     certs/{name}.crt             a copy of every certificate issued, for ``list_issued``
+    certs/superseded/            certificates a forced re-issue replaced, so that
+                                 ``revoke`` still finds them
 
 ``issue`` writes ``{name}.crt``, ``{name}.key`` (0600) and ``ca.crt`` into the chosen output
 folder, which is what a device or the broker needs. Every file is written durably (temp file,
 fsync, rename, fsync of the folder): a power cut leaves the old file or the new one.
+
+Revocation is pushed, not fetched: ``revoke`` adds every certificate of a name to
+``crl.pem``, ``fleet broker-config`` copies it next to the broker's config (``crlfile``) and
+a reload of the broker (SIGHUP) refuses those certificates at the next TLS handshake. The
+CRL's next update is the CA's own expiry: OpenSSL refuses every client once a CRL it checks
+has expired, and nothing here fetches a fresh one on a schedule.
 """
 
 from __future__ import annotations
@@ -41,7 +50,9 @@ KINDS: tuple[Kind, ...] = get_args(Kind)
 
 CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
+CRL = "crl.pem"
 REGISTRY = "certs"
+SUPERSEDED = "superseded"
 _ORG = "EdgeFleet"
 # Certificates are valid from a few minutes in the past: a gateway whose clock runs a little
 # behind the CA host would otherwise reject a certificate issued "in its future".
@@ -75,6 +86,19 @@ class IssuedCert:
     serial: int
     not_after: datetime
     path: Path
+    #: On the CA's revocation list.
+    revoked: bool = False
+
+
+@dataclass(frozen=True)
+class Revocation:
+    """What ``revoke`` did: the serials it put on the list, and the list's file."""
+
+    name: str
+    serials: tuple[int, ...]
+    crl: Path
+    #: Entries on the list now, these included.
+    entries: int
 
 
 def check_name(name: str) -> str:
@@ -290,6 +314,8 @@ def init_ca(
     write_durable(
         paths.cert, cert.public_bytes(serialization.Encoding.PEM), mode=0o644, overwrite=True
     )
+    # An empty list from the start: a broker configured with crlfile needs one to exist.
+    write_durable(dir / CRL, _sign_crl(cert, key, [], now))
     return paths
 
 
@@ -342,10 +368,10 @@ def issue(
     ca_cert, ca_key = _load_ca(ca_dir, passphrase)
     registry = ca_dir / REGISTRY
     recorded = registry / f"{name}.crt"
-    if recorded.exists() and not force:
-        old = read_cert(recorded)
+    previous = read_cert(recorded) if recorded.exists() else None
+    if previous is not None and not force:
         raise PkiError(
-            f"{recorded}: {name!r} was already issued as a {cert_kind(old, recorded)} "
+            f"{recorded}: {name!r} was already issued as a {cert_kind(previous, recorded)} "
             "certificate; refusing to issue it again (use force to re-issue)"
         )
     sans: list[x509.GeneralName] = []
@@ -414,6 +440,15 @@ def issue(
     write_durable(paths.cert, cert_pem)
     if paths.ca_cert.resolve() != (ca_dir / CA_CERT).resolve():
         write_durable(paths.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
+    if previous is not None:
+        # Kept, so that revoking the name also revokes the certificate this one replaces
+        # (a re-issue after a lost or stolen key must not leave the old one valid).
+        archive = registry / SUPERSEDED
+        _mkdir_private(archive)
+        write_durable(
+            archive / f"{name}.{previous.serial_number:x}.crt",
+            previous.public_bytes(serialization.Encoding.PEM),
+        )
     # The register entry goes last: it is what makes a name "taken", so it must only exist
     # once the holder's files are complete.
     write_durable(recorded, cert_pem)
@@ -424,6 +459,7 @@ def list_issued(ca_dir: Path) -> list[IssuedCert]:
     """Every certificate in the CA's register, sorted by name."""
     if not (ca_dir / CA_CERT).exists():
         raise PkiError(f"{ca_dir}: no CA here ({CA_CERT}); run `fleet pki init`")
+    revoked = revoked_serials(ca_dir)
     registry = ca_dir / REGISTRY
     found: list[IssuedCert] = []
     for path in sorted(registry.glob("*.crt")) if registry.is_dir() else []:
@@ -436,6 +472,139 @@ def list_issued(ca_dir: Path) -> list[IssuedCert]:
                 serial=cert.serial_number,
                 not_after=cert.not_valid_after_utc,
                 path=path,
+                revoked=cert.serial_number in revoked,
             )
         )
     return found
+
+
+# --- revocation ----------------------------------------------------------------------------
+
+
+def _sign_crl(
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    entries: list[x509.RevokedCertificate],
+    now: datetime,
+    number: int = 1,
+) -> bytes:
+    ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca_cert.subject)
+        .last_update(now - _BACKDATE)
+        # See the module docstring: a list that expires would lock every device out.
+        .next_update(ca_cert.not_valid_after_utc)
+        .add_extension(x509.CRLNumber(number), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False
+        )
+    )
+    for entry in entries:
+        builder = builder.add_revoked_certificate(entry)
+    return builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
+def read_crl(ca_dir: Path) -> x509.CertificateRevocationList | None:
+    """The CA's revocation list, checked against the CA's key; None if there is none yet.
+
+    A list that does not parse, names another issuer or is not signed by this CA is a
+    PkiError: trusting it could un-revoke a device.
+    """
+    path = ca_dir / CRL
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise PkiError(f"{path}: cannot read the revocation list: {exc.strerror}") from exc
+    try:
+        crl = x509.load_pem_x509_crl(data)
+    except ValueError as exc:
+        raise PkiError(f"{path}: not a PEM certificate revocation list ({exc})") from exc
+    ca_cert = read_cert(ca_dir / CA_CERT)
+    public = ca_cert.public_key()
+    if (
+        crl.issuer != ca_cert.subject
+        or not isinstance(public, ec.EllipticCurvePublicKey)
+        or not crl.is_signature_valid(public)
+    ):
+        raise PkiError(f"{path}: the revocation list is not signed by the CA in {ca_dir}")
+    return crl
+
+
+def revoked_serials(ca_dir: Path) -> frozenset[int]:
+    """Serial numbers on the CA's revocation list (empty without one)."""
+    crl = read_crl(ca_dir)
+    return frozenset(e.serial_number for e in crl) if crl is not None else frozenset()
+
+
+def write_crl(
+    ca_dir: Path, *, passphrase: bytes | None = None, now: datetime | None = None
+) -> Path:
+    """Sign the CA's revocation list again with the entries it has (an empty one if none).
+
+    ``fleet broker-config`` calls it for a CA made before revocation existed.
+    """
+    ca_cert, ca_key = _load_ca(ca_dir, passphrase)
+    crl = read_crl(ca_dir)
+    entries = list(crl) if crl is not None else []
+    number = _crl_number(crl) + 1 if crl is not None else 1
+    path = ca_dir / CRL
+    write_durable(path, _sign_crl(ca_cert, ca_key, entries, now or datetime.now(UTC), number))
+    return path
+
+
+def _crl_number(crl: x509.CertificateRevocationList) -> int:
+    try:
+        return crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
+    except x509.ExtensionNotFound:
+        return 0
+
+
+def revoke(
+    ca_dir: Path,
+    name: str,
+    *,
+    passphrase: bytes | None = None,
+    now: datetime | None = None,
+) -> Revocation:
+    """Put every certificate issued for ``name`` (the current one and those a forced
+    re-issue replaced) on the CA's revocation list.
+
+    PkiError if the CA never issued ``name``, or if all of them are on the list already.
+    A new certificate for the name (``issue(..., force=True)``) is not affected: it has a
+    new serial number.
+    """
+    check_name(name)
+    registry = ca_dir / REGISTRY
+    recorded = registry / f"{name}.crt"
+    if not recorded.exists():
+        raise PkiError(f"{recorded}: this CA never issued a certificate named {name!r}")
+    ca_cert, ca_key = _load_ca(ca_dir, passphrase)
+    certs = [read_cert(recorded)]
+    archive = registry / SUPERSEDED
+    if archive.is_dir():
+        certs += [read_cert(p) for p in sorted(archive.glob(f"{name}.*.crt"))]
+    crl = read_crl(ca_dir)
+    entries = list(crl) if crl is not None else []
+    listed = {e.serial_number for e in entries}
+    now = now or datetime.now(UTC)
+    added: list[int] = []
+    for cert in certs:
+        if cert_name(cert, recorded) != name or cert.serial_number in listed:
+            continue
+        entries.append(
+            x509.RevokedCertificateBuilder()
+            .serial_number(cert.serial_number)
+            .revocation_date(now)
+            .build()
+        )
+        listed.add(cert.serial_number)
+        added.append(cert.serial_number)
+    if not added:
+        raise PkiError(f"{name!r}: every certificate issued for it is revoked already")
+    number = _crl_number(crl) + 1 if crl is not None else 1
+    path = ca_dir / CRL
+    write_durable(path, _sign_crl(ca_cert, ca_key, entries, now, number))
+    return Revocation(name, tuple(added), path, len(entries))

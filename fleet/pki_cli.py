@@ -146,6 +146,7 @@ def list_cmd(
                         "fingerprint": c.fingerprint,
                         "serial": f"{c.serial:x}",
                         "not_after": c.not_after.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                        "revoked": c.revoked,
                     }
                     for c in issued
                 ],
@@ -153,10 +154,34 @@ def list_cmd(
             )
         )
         return
-    table = Table("name", "kind", "expires (UTC)", "SHA-256 fingerprint")
+    table = Table("name", "kind", "expires (UTC)", "status", "SHA-256 fingerprint")
     for c in issued:
-        table.add_row(c.name, c.kind, f"{c.not_after:%Y-%m-%d %H:%M}", c.fingerprint)
+        status = "[red]revoked[/red]" if c.revoked else "valid"
+        table.add_row(c.name, c.kind, f"{c.not_after:%Y-%m-%d %H:%M}", status, c.fingerprint)
     Console().print(table)
+
+
+@pki_app.command("revoke")
+def revoke_cmd(
+    name: Annotated[str, typer.Argument(help="The device or service whose certificates go.")],
+    ca_dir: DirOpt = Path("pki"),
+    passphrase_file: PassFileOpt = None,
+) -> None:
+    """Put every certificate issued for NAME on the CA's revocation list (crl.pem).
+
+    The broker refuses them once it has the new list: run `fleet broker-config` again (it
+    copies crl.pem beside the broker's config), then reload Mosquitto (SIGHUP, e.g.
+    `systemctl reload mosquitto`). Sessions already open stay open until they reconnect:
+    restart the broker to cut a stolen device off at once.
+    """
+    try:
+        done = pki.revoke(ca_dir, name, passphrase=_passphrase(passphrase_file))
+    except PkiError as exc:
+        raise _fail(exc) from None
+    serials = ", ".join(f"{s:x}" for s in done.serials)
+    typer.echo(f"revoked {done.name} (serial {serials})")
+    typer.echo(f"crl     {done.crl} ({done.entries} revoked in all)")
+    typer.echo("next: fleet broker-config ... again, then reload the broker (SIGHUP)")
 
 
 def broker_config_cmd(  # noqa: PLR0917 - typer passes options as parameters
@@ -220,6 +245,7 @@ def broker_config_cmd(  # noqa: PLR0917 - typer passes options as parameters
         raise _fail(exc) from None
     typer.echo(f"config  {files.conf}")
     typer.echo(f"acl     {files.acl}")
+    typer.echo(f"crl     {files.crl}")
     verb = "issued" if files.issued_server_cert else "kept"
     typer.echo(f"server  {files.server_cert} ({verb})")
     typer.echo(f"run: mosquitto -c {files.conf}")

@@ -114,6 +114,11 @@ class Mosquitto:
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
 
+    def reload(self) -> None:
+        """SIGHUP: Mosquitto reads its config, ACL, certificates and CRL again."""
+        assert self.proc is not None, "the broker is not running"
+        self.proc.send_signal(signal.SIGHUP)
+
     def restart(self) -> None:
         self.stop()
         self.start()

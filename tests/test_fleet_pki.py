@@ -8,6 +8,7 @@ after it drops privileges), and talks to it with paho MQTT 5 clients over mutual
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pwd
@@ -32,8 +33,14 @@ from paho.mqtt.reasoncodes import ReasonCode
 from typer.testing import CliRunner
 
 from fleet import pki
-from fleet.broker_config import render_acl, render_broker_config, write_broker_config
+from fleet.broker_config import (
+    BrokerFiles,
+    render_acl,
+    render_broker_config,
+    write_broker_config,
+)
 from fleet.errors import FleetError, PkiError
+from fleet.pki import read_cert
 from fleet.pki_cli import broker_config_cmd, pki_app
 from tests.mqtt_broker import Mosquitto, free_port
 from wire.topics import shared_subscription, topic
@@ -194,6 +201,8 @@ class Fleet:
     broker: Mosquitto
     plain_port: int
     peers: list[Peer]
+    #: ``write_broker_config`` again, as the fixture ran it (after a revocation).
+    reconfigure: Callable[[], BrokerFiles]
 
     def peer(self, name: str, *, client_id: str | None = None, **kw: str) -> Peer:
         c = self.certs[name]
@@ -221,7 +230,8 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     }
     port, plain_port = free_port(), free_port()
     workdir = tmp_path / "broker"
-    files = write_broker_config(
+    reconfigure = functools.partial(
+        write_broker_config,
         ca_dir,
         workdir,
         port=port,
@@ -230,9 +240,10 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         log_file=workdir / "mosquitto.log",
         run_as=_me(),
     )
+    files = reconfigure()
     broker = Mosquitto(workdir, port=port, config=files.conf.read_text())
     broker.start()
-    f = Fleet(ca_dir, ca_dir / pki.CA_CERT, certs, broker, plain_port, [])
+    f = Fleet(ca_dir, ca_dir / pki.CA_CERT, certs, broker, plain_port, [], reconfigure)
     try:
         yield f
     finally:
@@ -353,6 +364,45 @@ def test_certificate_from_another_ca_cannot_connect(fleet: Fleet, tmp_path: Path
     forged = pki.issue(rogue, "gw-1", rogue / "gw-1")
     assert connect_fails(fleet.broker.port, fleet.ca, forged.cert, forged.key)
     fleet.wait_log("certificate verify failed")
+
+
+def test_a_revoked_device_is_refused_after_a_reload_and_a_reissued_one_gets_in(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    gw2 = fleet.certs["gw-2"]
+    before = fleet.peer("gw-2", client_id="gw-2-before")  # valid until revoked
+    before.stop()
+    done = pki.revoke(fleet.ca_dir, "gw-2")
+    assert done.serials == (read_cert(gw2.cert).serial_number,)
+    files = fleet.reconfigure()
+    assert f"crlfile {files.crl}" in files.conf.read_text()
+    fleet.broker.reload()
+    fleet.wait_log("Reloading config")
+    assert connect_fails(fleet.broker.port, fleet.ca, gw2.cert, gw2.key)
+    log = fleet.wait_log("certificate verify failed")
+    assert "certificate verify failed" in log.split("Reloading config")[-1]
+    # Mosquitto logs no reason; OpenSSL, on the same files, says which.
+    openssl = ["openssl", "verify", "-crl_check", "-CAfile", str(files.ca_cert)]
+    why = subprocess.run(
+        [*openssl, "-CRLfile", str(files.crl), str(gw2.cert)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert why.returncode != 0
+    assert "certificate revoked" in why.stdout + why.stderr, why
+    fleet.peer("gw-1")  # the others are untouched
+    # A new key and certificate for the same device (a new serial) is let in again.
+    fresh = pki.issue(fleet.ca_dir, "gw-2", tmp_path / "gw-2-new", force=True)
+    p = Peer(fleet.broker.port, fleet.ca, fresh.cert, fresh.key, client_id="gw-2")
+    fleet.peers.append(p)
+    p.start()
+    listed = {c.name: c.revoked for c in pki.list_issued(fleet.ca_dir)}
+    assert listed == {"fleet": False, "gw-1": False, "gw-2": False, "broker": False}
+    # Revoking the name again takes the new certificate; the old one is listed once.
+    again = pki.revoke(fleet.ca_dir, "gw-2")
+    assert again.serials == (read_cert(fresh.cert).serial_number,)
+    assert again.entries == 2
 
 
 def test_broker_certificate_is_not_a_client_certificate(fleet: Fleet) -> None:
@@ -598,6 +648,29 @@ def test_cli_init_issue_list_and_broker_config(tmp_path: Path) -> None:
     r = runner.invoke(app, ["pki", "list", "--dir", d])
     assert r.exit_code == 0
     assert "gw-1" in r.output
+    assert "revoked" not in r.output
+
+    r = runner.invoke(app, ["pki", "revoke", "gw-1", "--dir", d])
+    assert r.exit_code == 1  # the CA key is encrypted
+    assert "give its passphrase" in r.output
+    r = runner.invoke(app, ["pki", "revoke", "gw-1", "--dir", d, "--passphrase-file", str(pw)])
+    assert r.exit_code == 0, r.output
+    assert "revoked gw-1 (serial " in r.output
+    assert "1 revoked in all" in r.output
+    r = runner.invoke(app, ["pki", "revoke", "gw-1", "--dir", d, "--passphrase-file", str(pw)])
+    assert r.exit_code == 1
+    assert "revoked already" in r.output
+    r = runner.invoke(app, ["pki", "list", "--dir", d, "--json"])
+    assert [(c["name"], c["revoked"]) for c in json.loads(r.stdout)] == [
+        ("fleet", False),
+        ("gw-1", True),
+    ]
+    r = runner.invoke(app, ["pki", "list", "--dir", d])
+    assert "revoked" in r.output
+    r = runner.invoke(
+        app, ["pki", "issue", "gw-1", "--dir", d, "--passphrase-file", str(pw), "--force"]
+    )
+    assert r.exit_code == 0, r.output
 
     out = tmp_path / "broker"
     port = free_port()
@@ -627,6 +700,44 @@ def test_cli_init_issue_list_and_broker_config(tmp_path: Path) -> None:
         gw1.stop()
     finally:
         broker.stop()
+
+
+def test_revocation_errors_and_the_list_is_checked_before_use(tmp_path: Path) -> None:
+    ca = pki.init_ca(tmp_path / "ca")
+    assert pki.revoked_serials(ca.dir) == frozenset()  # init made an empty, signed list
+    with pytest.raises(PkiError, match="never issued a certificate named 'gw-9'"):
+        pki.revoke(ca.dir, "gw-9")
+    with pytest.raises(PkiError, match="not a valid name"):
+        pki.revoke(ca.dir, "gw/1")
+    first = pki.issue(ca.dir, "gw-1", tmp_path / "a")
+    # A forced re-issue (a lost key) keeps the replaced certificate for revocation.
+    second = pki.issue(ca.dir, "gw-1", tmp_path / "b", force=True)
+    done = pki.revoke(ca.dir, "gw-1")
+    assert set(done.serials) == {
+        read_cert(first.cert).serial_number,
+        read_cert(second.cert).serial_number,
+    }
+    assert pki.revoked_serials(ca.dir) == frozenset(done.serials)
+    # The list names the CA as issuer and verifies with its key (what OpenSSL checks).
+    crl = x509.load_pem_x509_crl((ca.dir / pki.CRL).read_bytes())
+    assert crl.issuer == read_cert(ca.cert).subject
+    assert crl.next_update_utc == read_cert(ca.cert).not_valid_after_utc
+    # A list signed by another CA, or damaged, is never trusted (it could un-revoke).
+    rogue = pki.init_ca(tmp_path / "rogue", name="EdgeFleet CA")
+    (ca.dir / pki.CRL).write_bytes((rogue.dir / pki.CRL).read_bytes())
+    with pytest.raises(PkiError, match="not signed by the CA"):
+        pki.list_issued(ca.dir)
+    with pytest.raises(PkiError, match="not signed by the CA"):
+        pki.revoke(ca.dir, "gw-1")
+    (ca.dir / pki.CRL).write_bytes(b"-----BEGIN X509 CRL-----\ngarbage\n-----END X509 CRL-----\n")
+    with pytest.raises(PkiError, match="not a PEM certificate revocation list"):
+        pki.revoked_serials(ca.dir)
+    # A CA made before revocation existed (no crl.pem) gets an empty list from broker-config.
+    (ca.dir / pki.CRL).unlink()
+    files = write_broker_config(ca.dir, tmp_path / "broker")
+    assert pki.revoked_serials(ca.dir) == frozenset()
+    assert files.crl.read_bytes() == (ca.dir / pki.CRL).read_bytes()
+    assert f"crlfile {files.crl}\n" in files.conf.read_text()
 
 
 def test_broker_config_refuses_a_device_as_the_fleet_identity(tmp_path: Path) -> None:
