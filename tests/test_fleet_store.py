@@ -32,7 +32,9 @@ from fleet.store import (
     open_store,
 )
 from fleet.store.migrations import LATEST
+from fleet.store.sqlite import SqliteStore
 from tests.pg import pg_url
+from tests.tcp_proxy import TcpProxy, target_of, via
 from wire.messages import (
     DecisionMsg,
     ModelRef,
@@ -258,6 +260,29 @@ def test_ingest_counts_duplicates_within_and_across_batches(store: Store) -> Non
     # Bodies come back byte for byte and still decode.
     assert got[-1][3] == telemetry("gw1", 5).body
     assert decode("telemetry", got[-1][3]).seq == 5
+
+
+def test_ping_answers_on_both_backends_and_fails_on_a_closed_sqlite(store: Store) -> None:
+    store.ping()
+    if isinstance(store, SqliteStore):
+        store.close()
+        with pytest.raises(FleetStoreError, match="ping"):
+            store.ping()
+
+
+def test_ping_answers_while_the_database_does_and_raises_while_it_is_gone() -> None:
+    # PostgreSQL through a link the test cuts: the store reconnects once it is back.
+    with TcpProxy(*target_of(pg_url())) as proxy:
+        store = open_store(via(pg_url(), proxy.port))
+        try:
+            store.ping()
+            proxy.cut()
+            with pytest.raises(FleetStoreError, match=r"ping failed|cannot connect"):
+                store.ping()
+            proxy.restore()
+            store.ping()
+        finally:
+            store.close()
 
 
 def test_ingest_rejects_a_non_data_kind_and_stores_nothing(store: Store) -> None:

@@ -220,6 +220,10 @@ class Store(Protocol):
         ``received_ns``, oldest first."""
         ...
 
+    def ping(self) -> None:
+        """Return if the database answers now (a round trip), else raise FleetStoreError."""
+        ...
+
     def close(self) -> None: ...
 
 

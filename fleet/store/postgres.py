@@ -508,6 +508,9 @@ class PostgresStore:
 
         return self._run("ota_status_since", go)
 
+    def ping(self) -> None:
+        self._run("ping", lambda db: db.execute("SELECT 1").fetchone())
+
     def close(self) -> None:
         with self._lock:
             if self._db is not None:

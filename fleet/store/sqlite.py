@@ -450,6 +450,9 @@ class SqliteStore:
 
         return self._run("ota_status_since", go)
 
+    def ping(self) -> None:
+        self._run("ping", lambda db: db.execute("SELECT 1").fetchone())
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
