@@ -843,6 +843,13 @@ def _is_up(stats: Mapping[str, int | float | str]) -> bool:
     )
 
 
+def _numpy_reason(jit: bool | None) -> str:
+    """Why the features run on numpy: the config first, then what stopped the kernels."""
+    if jit is False:
+        return "reasoning.jit = off"
+    return unavailable_reason() or "compiled kernels unavailable"
+
+
 def build_stage(config: AgentConfig) -> ReasoningStage:
     """Load the configured model and build the stage. Raises :class:`ReasoningError`.
 
@@ -867,7 +874,7 @@ def build_stage(config: AgentConfig) -> ReasoningStage:
         model.sha256[:12],
         model.backend,
         rc.threads,
-        "compiled" if model.jit else f"numpy ({unavailable_reason() or 'reasoning.jit = off'})",
+        "compiled" if model.jit else f"numpy ({_numpy_reason(rc.jit)})",
     )
     return stage
 

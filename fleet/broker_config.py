@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography.hazmat.primitives import serialization
+
 from fleet import pki
 from fleet.errors import PkiError
 from wire.topics import PREFIX, UPLINK_KINDS
@@ -204,9 +206,14 @@ def write_broker_config(
     out_dir.mkdir(parents=True, exist_ok=True)
     server_cert, server_key = out_dir / f"{server_name}.crt", out_dir / f"{server_name}.key"
     issued = False
-    if server_cert.exists() and server_key.exists():
-        pki.verify_issued_by(server_cert, ca_cert)
-    else:
+    revoked = pki.revoked_serials(pki_dir)
+    keep = (
+        server_cert.exists()
+        and server_key.exists()
+        # Devices do not check the revocation list: a revoked broker certificate is replaced.
+        and pki.verify_issued_by(server_cert, ca_cert).serial_number not in revoked
+    )
+    if not keep:
         pki.issue(
             pki_dir,
             server_name,
@@ -220,12 +227,19 @@ def write_broker_config(
     local_ca = out_dir / pki.CA_CERT
     if local_ca.resolve() != ca_cert.resolve():
         pki.write_durable(local_ca, ca_cert.read_bytes())
-    crl_src = pki_dir / pki.CRL
-    if pki.read_crl(pki_dir) is None:  # a CA made before revocation existed
-        pki.write_crl(pki_dir, passphrase=passphrase)
+    crl = pki.read_crl(pki_dir)
+    if crl is None or {e.serial_number for e in crl} != revoked:
+        # No list (a CA made before revocation existed, or a lost file) or one that lacks a
+        # serial of the journal: sign it again from the journal, never an emptier one.
+        try:
+            pki.write_crl(pki_dir, passphrase=passphrase)
+        except PkiError as exc:
+            raise PkiError(f"signing the revocation list {pki_dir / pki.CRL}: {exc}") from None
+        crl = pki.read_crl(pki_dir)
+        assert crl is not None
     local_crl = out_dir / pki.CRL
-    if local_crl.resolve() != crl_src.resolve():
-        pki.write_durable(local_crl, crl_src.read_bytes())
+    if local_crl.resolve() != (pki_dir / pki.CRL).resolve():
+        pki.write_durable(local_crl, crl.public_bytes(serialization.Encoding.PEM))
     acl = out_dir / ACL_NAME
     conf = out_dir / CONF_NAME
     pki.write_durable(acl, render_acl(fleet_identity).encode())

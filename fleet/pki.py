@@ -9,9 +9,12 @@ Layout of a CA folder::
 
     ca.crt  ca.key (0600)        the CA
     crl.pem                      its certificate revocation list (``revoke``), signed by it
-    certs/{name}.crt             a copy of every certificate issued, for ``list_issued``
-    certs/superseded/            certificates a forced re-issue replaced, so that
-                                 ``revoke`` still finds them
+    certs/{name}.crt             the current certificate of each name, for ``list_issued``
+    certs/by-serial/             every certificate ever signed ({name}.{serial}.crt), kept
+                                 before its holder gets it, so ``revoke`` finds them all
+    certs/revoked/{serial}       one file per revoked serial (its revocation time): the
+                                 journal ``crl.pem`` is signed from, so a lost list is
+                                 rebuilt, never silently emptied
 
 ``issue`` writes ``{name}.crt``, ``{name}.key`` (0600) and ``ca.crt`` into the chosen output
 folder, which is what a device or the broker needs. Every file is written durably (temp file,
@@ -27,9 +30,11 @@ has expired, and nothing here fetches a fresh one on a schedule.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -52,11 +57,16 @@ CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
 CRL = "crl.pem"
 REGISTRY = "certs"
-SUPERSEDED = "superseded"
+BY_SERIAL = "by-serial"
+REVOKED = "revoked"
+_LOCK = ".lock"
 _ORG = "EdgeFleet"
 # Certificates are valid from a few minutes in the past: a gateway whose clock runs a little
 # behind the CA host would otherwise reject a certificate issued "in its future".
 _BACKDATE = timedelta(minutes=5)
+# A revocation list "not yet valid" on a broker whose clock is behind would lock every
+# device out, not one: its start is back-dated much further.
+_CRL_BACKDATE = timedelta(days=1)
 
 
 @dataclass(frozen=True)
@@ -368,10 +378,10 @@ def issue(
     ca_cert, ca_key = _load_ca(ca_dir, passphrase)
     registry = ca_dir / REGISTRY
     recorded = registry / f"{name}.crt"
-    previous = read_cert(recorded) if recorded.exists() else None
-    if previous is not None and not force:
+    if recorded.exists() and not force:
+        old = read_cert(recorded)
         raise PkiError(
-            f"{recorded}: {name!r} was already issued as a {cert_kind(previous, recorded)} "
+            f"{recorded}: {name!r} was already issued as a {cert_kind(old, recorded)} "
             "certificate; refusing to issue it again (use force to re-issue)"
         )
     sans: list[x509.GeneralName] = []
@@ -432,7 +442,10 @@ def issue(
     cert_pem = cert.public_bytes(serialization.Encoding.PEM)
 
     _mkdir_private(out_dir)
-    _mkdir_private(registry)
+    _mkdir_private(registry / BY_SERIAL)
+    # Recorded before anyone can hold it: a crash after this leaves a certificate that
+    # `revoke` can still find; one before leaves a certificate nobody has.
+    write_durable(registry / BY_SERIAL / f"{name}.{cert.serial_number:x}.crt", cert_pem)
     paths = IssuedPaths(
         name, kind, out_dir / f"{name}.crt", out_dir / f"{name}.key", out_dir / CA_CERT
     )
@@ -440,15 +453,6 @@ def issue(
     write_durable(paths.cert, cert_pem)
     if paths.ca_cert.resolve() != (ca_dir / CA_CERT).resolve():
         write_durable(paths.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
-    if previous is not None:
-        # Kept, so that revoking the name also revokes the certificate this one replaces
-        # (a re-issue after a lost or stolen key must not leave the old one valid).
-        archive = registry / SUPERSEDED
-        _mkdir_private(archive)
-        write_durable(
-            archive / f"{name}.{previous.serial_number:x}.crt",
-            previous.public_bytes(serialization.Encoding.PEM),
-        )
     # The register entry goes last: it is what makes a name "taken", so it must only exist
     # once the holder's files are complete.
     write_durable(recorded, cert_pem)
@@ -492,7 +496,7 @@ def _sign_crl(
     builder = (
         x509.CertificateRevocationListBuilder()
         .issuer_name(ca_cert.subject)
-        .last_update(now - _BACKDATE)
+        .last_update(now - _CRL_BACKDATE)
         # See the module docstring: a list that expires would lock every device out.
         .next_update(ca_cert.not_valid_after_utc)
         .add_extension(x509.CRLNumber(number), critical=False)
@@ -534,24 +538,69 @@ def read_crl(ca_dir: Path) -> x509.CertificateRevocationList | None:
 
 
 def revoked_serials(ca_dir: Path) -> frozenset[int]:
-    """Serial numbers on the CA's revocation list (empty without one)."""
+    """Serial numbers revoked: on the CA's revocation list or in its journal."""
     crl = read_crl(ca_dir)
-    return frozenset(e.serial_number for e in crl) if crl is not None else frozenset()
+    listed = {e.serial_number for e in crl} if crl is not None else set()
+    return frozenset(listed | _journal(ca_dir).keys())
+
+
+@contextlib.contextmanager
+def _locked(ca_dir: Path) -> Iterator[None]:
+    """One writer of the CA's lists at a time (two `revoke` runs must not lose an entry)."""
+    try:
+        fd = os.open(ca_dir / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise PkiError(f"{ca_dir}: cannot lock the CA folder: {exc.strerror}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _journal(ca_dir: Path) -> dict[int, datetime]:
+    """Revoked serials and when, from ``certs/revoked/`` (see the module docstring)."""
+    folder = ca_dir / REGISTRY / REVOKED
+    out: dict[int, datetime] = {}
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if path.name.startswith("."):
+            continue  # a temp file of write_durable
+        try:
+            out[int(path.name, 16)] = datetime.fromisoformat(path.read_text().strip())
+        except (OSError, ValueError) as exc:
+            raise PkiError(f"{path}: not a revocation record ({exc})") from exc
+    return out
+
+
+def _entries(
+    crl: x509.CertificateRevocationList | None, journal: dict[int, datetime]
+) -> list[x509.RevokedCertificate]:
+    """The list's entries plus any the journal has and the list lacks (never fewer)."""
+    entries = list(crl) if crl is not None else []
+    listed = {e.serial_number for e in entries}
+    for serial, when in sorted(journal.items()):
+        if serial not in listed:
+            entries.append(
+                x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(when).build()
+            )
+    return entries
 
 
 def write_crl(
     ca_dir: Path, *, passphrase: bytes | None = None, now: datetime | None = None
 ) -> Path:
-    """Sign the CA's revocation list again with the entries it has (an empty one if none).
+    """Sign the CA's revocation list again: its entries and the journal's (empty if none).
 
-    ``fleet broker-config`` calls it for a CA made before revocation existed.
+    ``fleet broker-config`` calls it when ``crl.pem`` is missing (a CA made before
+    revocation existed, or a lost file): every serial in the journal stays revoked.
     """
     ca_cert, ca_key = _load_ca(ca_dir, passphrase)
-    crl = read_crl(ca_dir)
-    entries = list(crl) if crl is not None else []
-    number = _crl_number(crl) + 1 if crl is not None else 1
-    path = ca_dir / CRL
-    write_durable(path, _sign_crl(ca_cert, ca_key, entries, now or datetime.now(UTC), number))
+    with _locked(ca_dir):
+        crl = read_crl(ca_dir)
+        entries = _entries(crl, _journal(ca_dir))
+        number = _crl_number(crl) + 1 if crl is not None else len(entries) + 1
+        path = ca_dir / CRL
+        write_durable(path, _sign_crl(ca_cert, ca_key, entries, now or datetime.now(UTC), number))
     return path
 
 
@@ -569,42 +618,44 @@ def revoke(
     passphrase: bytes | None = None,
     now: datetime | None = None,
 ) -> Revocation:
-    """Put every certificate issued for ``name`` (the current one and those a forced
+    """Put every certificate ever issued for ``name`` (the current one and those a forced
     re-issue replaced) on the CA's revocation list.
 
     PkiError if the CA never issued ``name``, or if all of them are on the list already.
     A new certificate for the name (``issue(..., force=True)``) is not affected: it has a
-    new serial number.
+    new serial number. The journal entry of each serial is written before the list.
     """
     check_name(name)
     registry = ca_dir / REGISTRY
     recorded = registry / f"{name}.crt"
-    if not recorded.exists():
+    paths = [recorded] if recorded.exists() else []
+    if (registry / BY_SERIAL).is_dir():
+        paths += sorted((registry / BY_SERIAL).glob(f"{name}.*.crt"))
+    if not paths:
         raise PkiError(f"{recorded}: this CA never issued a certificate named {name!r}")
     ca_cert, ca_key = _load_ca(ca_dir, passphrase)
-    certs = [read_cert(recorded)]
-    archive = registry / SUPERSEDED
-    if archive.is_dir():
-        certs += [read_cert(p) for p in sorted(archive.glob(f"{name}.*.crt"))]
-    crl = read_crl(ca_dir)
-    entries = list(crl) if crl is not None else []
-    listed = {e.serial_number for e in entries}
     now = now or datetime.now(UTC)
-    added: list[int] = []
-    for cert in certs:
-        if cert_name(cert, recorded) != name or cert.serial_number in listed:
-            continue
-        entries.append(
-            x509.RevokedCertificateBuilder()
-            .serial_number(cert.serial_number)
-            .revocation_date(now)
-            .build()
-        )
-        listed.add(cert.serial_number)
-        added.append(cert.serial_number)
-    if not added:
-        raise PkiError(f"{name!r}: every certificate issued for it is revoked already")
-    number = _crl_number(crl) + 1 if crl is not None else 1
-    path = ca_dir / CRL
-    write_durable(path, _sign_crl(ca_cert, ca_key, entries, now, number))
+    with _locked(ca_dir):
+        crl = read_crl(ca_dir)
+        journal = _journal(ca_dir)
+        listed = {e.serial_number for e in crl} if crl is not None else set()
+        listed |= journal.keys()
+        added: list[int] = []
+        for path in paths:
+            cert = read_cert(path)
+            # A glob for "gw" also matches "gw.1.*": the CN decides.
+            if cert_name(cert, path) != name or cert.serial_number in listed:
+                continue
+            listed.add(cert.serial_number)
+            added.append(cert.serial_number)
+        if not added:
+            raise PkiError(f"{name!r}: every certificate issued for it is revoked already")
+        _mkdir_private(registry / REVOKED)
+        for serial in added:
+            write_durable(registry / REVOKED / f"{serial:x}", now.isoformat().encode())
+            journal[serial] = now
+        entries = _entries(crl, journal)
+        number = _crl_number(crl) + 1 if crl is not None else len(entries) + 1
+        path = ca_dir / CRL
+        write_durable(path, _sign_crl(ca_cert, ca_key, entries, now, number))
     return Revocation(name, tuple(added), path, len(entries))

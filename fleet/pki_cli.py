@@ -172,7 +172,9 @@ def revoke_cmd(
     The broker refuses them once it has the new list: run `fleet broker-config` again (it
     copies crl.pem beside the broker's config), then reload Mosquitto (SIGHUP, e.g.
     `systemctl reload mosquitto`). Sessions already open stay open until they reconnect:
-    restart the broker to cut a stolen device off at once.
+    restart the broker to cut a stolen device off at once. The broker checks the list for
+    client certificates only; a revoked broker certificate is replaced by the next
+    `fleet broker-config`.
     """
     try:
         done = pki.revoke(ca_dir, name, passphrase=_passphrase(passphrase_file))

@@ -732,12 +732,24 @@ def test_revocation_errors_and_the_list_is_checked_before_use(tmp_path: Path) ->
     (ca.dir / pki.CRL).write_bytes(b"-----BEGIN X509 CRL-----\ngarbage\n-----END X509 CRL-----\n")
     with pytest.raises(PkiError, match="not a PEM certificate revocation list"):
         pki.revoked_serials(ca.dir)
-    # A CA made before revocation existed (no crl.pem) gets an empty list from broker-config.
+    # A lost list is signed again from the journal by broker-config: nothing un-revoked.
     (ca.dir / pki.CRL).unlink()
     files = write_broker_config(ca.dir, tmp_path / "broker")
-    assert pki.revoked_serials(ca.dir) == frozenset()
+    rebuilt = x509.load_pem_x509_crl(files.crl.read_bytes())
+    assert {e.serial_number for e in rebuilt} == set(done.serials)
     assert files.crl.read_bytes() == (ca.dir / pki.CRL).read_bytes()
     assert f"crlfile {files.crl}\n" in files.conf.read_text()
+    # A CA made before revocation existed (no list, no journal) gets an empty one.
+    old_ca = pki.init_ca(tmp_path / "old")
+    (old_ca.dir / pki.CRL).unlink()
+    old_files = write_broker_config(old_ca.dir, tmp_path / "old-broker")
+    assert list(x509.load_pem_x509_crl(old_files.crl.read_bytes())) == []
+    # Devices do not check the list: a revoked broker certificate is replaced, not kept.
+    server = read_cert(files.server_cert).serial_number
+    pki.revoke(ca.dir, "broker")
+    again = write_broker_config(ca.dir, tmp_path / "broker")
+    assert again.issued_server_cert
+    assert read_cert(again.server_cert).serial_number != server
 
 
 def test_broker_config_refuses_a_device_as_the_fleet_identity(tmp_path: Path) -> None:
