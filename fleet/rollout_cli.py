@@ -93,6 +93,12 @@ def create(  # noqa: PLR0917 - typer passes options as parameters
     artifacts: ArtifactsOpt = Path("artifacts"),
     store: StoreOpt = None,
     as_json: JsonOpt = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", help="Check and plan, print the waves; publish and store nothing."
+        ),
+    ] = False,
 ) -> None:
     """Plan the waves and start a rollout of BUNDLE (fleet serve sends the offers)."""
     try:
@@ -111,7 +117,7 @@ def create(  # noqa: PLR0917 - typer passes options as parameters
     try:
         r = create_rollout(
             st, bundle, artifacts=artifacts, selector=selector, params=params,
-            transport=transport, root_json=root,
+            transport=transport, root_json=root, dry_run=dry_run,
         )  # fmt: skip
     except (RolloutError, PlanError) as exc:
         _fail(str(exc), 2)
@@ -119,12 +125,29 @@ def create(  # noqa: PLR0917 - typer passes options as parameters
         _fail(str(exc), 3)
     finally:
         st.close()
+    if dry_run:
+        _print_plan(r, as_json)
+        return
     if as_json:
         print(json.dumps(summary(r)))
         return
     sizes = ", ".join(str(len(w)) for w in r.waves)
     out.print(f"rollout {r.id}: {r.bundle_id} {r.version} to {len(r.devices)} device(s) in "
               f"{len(r.waves)} wave(s) ({sizes}); fleet serve starts it")  # fmt: skip
+
+
+def _print_plan(r: m.Rollout, as_json: bool) -> None:
+    """A dry run's plan: every wave with its devices, in offer order."""
+    if as_json:
+        print(json.dumps({**summary(r), "dry_run": True, "plan": [list(w) for w in r.waves]}))
+        return
+    out.print(f"dry run: {r.bundle_id} {r.version} to {len(r.devices)} device(s) in "
+              f"{len(r.waves)} wave(s); nothing published or stored")  # fmt: skip
+    table = Table("wave", "devices", "names")
+    for k, names in enumerate(r.waves):
+        shown = ", ".join(names[:8]) + (f", ... (+{len(names) - 8})" if len(names) > 8 else "")
+        table.add_row(str(k + 1), str(len(names)), shown)
+    out.print(table)
 
 
 def _get(st: Store, rollout_id: str) -> m.Rollout:

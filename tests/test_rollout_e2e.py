@@ -151,12 +151,29 @@ def test_rollout_cli_create_status_list_pause_resume(tmp_path: Path, broker: Mos
         f.stop_service_now()  # the CLI alone: requests wait for the orchestrator
         base = ["--store", f.store_url]
         create = ["rollout", "create", str(bundle), "--artifacts", str(f.artifacts)]
+        published = sorted(p.name for p in f.artifacts.iterdir()) if f.artifacts.is_dir() else []
+        # A dry run checks and plans under the id the rollout would get, and changes nothing.
+        res = runner.invoke(app, [*create, "--waves", "50%,100%", "--dry-run", "--json", *base])
+        assert res.exit_code == 0, res.output
+        preview = json.loads(res.stdout)
+        assert preview["dry_run"] is True
+        assert [len(w) for w in preview["plan"]] == [3, 3]
+        res = runner.invoke(app, [*create, "--waves", "50%,100%", "--dry-run", *base])
+        assert res.exit_code == 0, res.output
+        assert "nothing published or stored" in res.stdout
+        assert preview["plan"][0][0] in res.stdout
+        res = runner.invoke(app, ["rollout", "list", "--json", *base])
+        assert json.loads(res.stdout) == []
+        after = sorted(p.name for p in f.artifacts.iterdir()) if f.artifacts.is_dir() else []
+        assert after == published
         res = runner.invoke(app, [*create, "--waves", "50%,100%", "--json", *base])
         assert res.exit_code == 0, res.output
         doc = json.loads(res.stdout)
         rid = doc["id"]
+        assert rid == preview["id"]
         assert doc["state"] == "running"
         assert [w["devices"] for w in doc["waves"]] == [3, 3]
+        assert f.rollout(rid).waves == tuple(tuple(w) for w in preview["plan"])
         res = runner.invoke(app, ["rollout", "list", "--json", *base])
         assert [r["id"] for r in json.loads(res.stdout)] == [rid]
         res = runner.invoke(app, ["rollout", "pause", rid, *base])

@@ -19,6 +19,7 @@ rollout continues where it was. Only one orchestrator should run per store.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import ssl
@@ -126,7 +127,13 @@ def create_rollout(
     transport: str = "http",
     root_json: Path | None = None,
     now_ns: int | None = None,
+    dry_run: bool = False,
 ) -> m.Rollout:
+    """Check ``bundle``, plan its waves, publish it as an artifact and store the rollout.
+
+    ``dry_run``: every check and the plan, under the id it would get, but nothing is
+    published or stored (the preview an operator reads before a fleet-wide change).
+    """
     from fleet.artifacts import publish  # noqa: PLC0415 - aiohttp/aiocoap on use
 
     if transport not in TRANSPORTS:
@@ -153,8 +160,8 @@ def create_rollout(
             f"({', '.join(overlap[:5])}); pause/abort it or narrow --select"
         )
     try:
-        sha = publish(artifacts, bundle)
-    except FleetError as exc:
+        sha = _sha256_of(bundle) if dry_run else publish(artifacts, bundle)
+    except (FleetError, OSError) as exc:
         raise RolloutError(str(exc)) from None
     r = m.create(
         rollout_id,
@@ -167,10 +174,17 @@ def create_rollout(
         params=params,
         now_ns=now,
     )
+    if dry_run:
+        return r
     doc = json.dumps({**r.to_json(), "transport": transport})
     if not store.insert_rollout(r.id, r.state, doc, now):
         raise RolloutError(f"rollout id {r.id} was taken meanwhile (two creates at once); retry")
     return r
+
+
+def _sha256_of(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _selector_text(selector: dict[str, tuple[str, ...]]) -> str:
