@@ -491,7 +491,7 @@ class Decision:
     stage). Without a run, ``label``/``score`` repeat the last scored verdict and
     ``probabilities`` is empty. ``mode`` is the breaker's (``full``, ``every_k``,
     ``rules_only``). ``top_signals`` are (signal, contribution) pairs, most contributing
-    first; ``attribution`` says how they were computed (``occlusion``, ``zscore``, or
+    first; ``attribution`` says how they were computed (``occlusion``, ``keep_one``, or
     ``none``). :meth:`to_json` is the payload published on ``.../decision``.
     """
 

@@ -720,6 +720,21 @@ class LoadedModel:
         np.copyto(self._occ_diag, ref_t)
         return self._run_occluded()
 
+    def keep_one_in(self) -> FloatArray:
+        """The converse of the last occlusion: row ``i`` is the probabilities with *every*
+        signal replaced by its reference except signal ``i``, which keeps its own channels.
+
+        Call it right after an occlusion of the last predicted window (it reuses the
+        references that run put in place, and overwrites its batch). Where occlusion asks
+        "does the score fall without this signal?", this asks "does this signal alone
+        carry it?": the question that still has an answer when the cause is joint (several
+        signals stuck at once, where replacing any one of them leaves a stuck window).
+        """
+        ref_t = self._occ_diag.copy()  # (signal, step, group): each signal's reference
+        np.copyto(self._occ_q4, ref_t.transpose(1, 2, 0))  # every row: all references
+        np.copyto(self._occ_diag, self._q3.transpose(2, 0, 1))  # row i keeps signal i
+        return self._run_occluded()
+
     def _run_occluded(self) -> FloatArray:
         """The probabilities of the batch of occluded inputs already in place."""
         occ = self._occ

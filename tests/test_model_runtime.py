@@ -26,6 +26,7 @@ from models.runtime import (
     BACKEND_ENV,
     BACKENDS,
     MAX_MODEL_BYTES,
+    LevelOcclusion,
     available_backends,
 )
 
@@ -480,6 +481,46 @@ def test_predict_occluded_is_one_predict_per_signal(
         np.testing.assert_array_equal(loaded.dequantize(one_by_one).reshape(got.shape), got)
 
 
+def _level_occlusion(
+    loaded: LoadedModel, windows: npt.NDArray[np.float32], seed: int
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32], LevelOcclusion]:
+    """Seeded normal step noise, the manifest means, and the model's LevelOcclusion on them."""
+    m = loaded.manifest
+    rng = np.random.default_rng(seed)
+    noise = (rng.standard_normal(windows[0].shape) * m.features.diff_scale / 2).astype(np.float32)
+    base = np.asarray([m.mean[s] for s in m.signals], dtype=np.float32)
+    return noise, base, loaded.level_occlusion(noise, base)
+
+
+@pytest.mark.parametrize("backend", AVAILABLE)
+def test_keep_one_in_rows_are_the_model_on_every_reference_but_one(
+    backend: str, windows: npt.NDArray[np.float32]
+) -> None:
+    """keep_one_in() after an occlusion: row i is the model on the occlusion's references
+    for every signal but i, which keeps the window's own int8 channels."""
+    loaded = load_model(backend=backend)
+    _, base, occlusion = _level_occlusion(loaded, windows, seed=5)
+    checked = 0
+    for case, _ in _occlusion_cases(windows):
+        x = np.where(np.isnan(case), base, case).astype(np.float32)
+        for median in (False, True):
+            loaded.predict(x)
+            if median:
+                occlusion.at_median(x, x)
+            else:
+                occlusion.at_base(x)
+            refs = loaded._occ_diag.transpose(1, 2, 0).copy()  # (step, group, signal)
+            own = loaded._q3.copy()
+            rows = loaded.keep_one_in()
+            for i in range(len(SIGNALS)):
+                q = refs.copy()
+                q[:, :, i] = own[:, :, i]
+                expected = loaded.dequantize(loaded.invoke_int8(q.reshape(loaded._q.shape)))
+                np.testing.assert_array_equal(rows[i], expected)
+            checked += 1
+    assert checked >= 4
+
+
 @pytest.mark.parametrize("backend", AVAILABLE)
 def test_level_occlusion_reference_is_level_channel_plus_base_steps(
     backend: str, windows: npt.NDArray[np.float32]
@@ -488,11 +529,7 @@ def test_level_occlusion_reference_is_level_channel_plus_base_steps(
     step channels of base + noise, exactly, and the level channel of level + noise within
     one int8 step (the folded multiply-add rounds differently on a few cells)."""
     loaded = load_model(backend=backend)
-    m = loaded.manifest
-    rng = np.random.default_rng(4)
-    noise = (rng.standard_normal(windows[0].shape) * m.features.diff_scale / 2).astype(np.float32)
-    base = np.asarray([m.mean[s] for s in m.signals], dtype=np.float32)
-    occlusion = loaded.level_occlusion(noise, base)
+    noise, base, occlusion = _level_occlusion(loaded, windows, seed=4)
     base_q3 = np.empty_like(loaded._ref_q3)
     loaded._quantize_into(loaded._extract.groups(base + noise), loaded._qf, base_q3)
     exact_q3 = np.empty_like(loaded._ref_q3)

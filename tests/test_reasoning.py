@@ -137,6 +137,32 @@ def test_stuck_signal_is_named(model: LoadedModel) -> None:
     assert blamed.count("current") > len(blamed) / 2, blamed
 
 
+@pytest.mark.parametrize(
+    "stuck", [("current", "speed"), ("current", "speed", "vibration")], ids=["two", "three"]
+)
+def test_several_stuck_signals_are_named_by_keep_one(
+    model: LoadedModel, stuck: tuple[str, ...]
+) -> None:
+    """Occluding one of several stuck signals leaves a stuck window, so occlusion names
+    nobody; the converse (only that signal left as it was) names the stuck ones."""
+    stage = ReasoningStage(model, RuleSet())
+    anomalies = [parse_anomaly(f"stuck:{s}@10+20") for s in stuck]
+    decisions = decide_all(stage, plant_windows(seed=7, anomalies=anomalies, seconds=40))
+    alarms = [d for d in decisions if d.label == "stuck"]
+    assert len(alarms) >= 20, dict(stage.stats.labels)
+    assert all(d.top_signals for d in alarms), "a stuck alarm named no signal"
+    assert all(d.attribution == "keep_one" for d in alarms)
+    threshold = model.manifest.thresholds["stuck"]
+    # Frequency is the drive's: it follows a stuck speed.
+    allowed = {*stuck, "frequency"}
+    for d in alarms:
+        names = {n for n, _ in d.top_signals}
+        assert names <= allowed, d.top_signals
+        assert all(threshold <= p <= 1.0 for _, p in d.top_signals), d.top_signals
+    named_all = [d for d in alarms if set(stuck) <= {n for n, _ in d.top_signals}]
+    assert len(named_all) >= 0.9 * len(alarms)
+
+
 def test_exclusion_rule_masks_the_label(model: LoadedModel) -> None:
     never_spike = ConstraintRule(
         "no-spike-while-turning", "exclude", "spike", Condition("speed", "max", ">", 100.0)
