@@ -51,11 +51,13 @@ def store_url(value: str | None) -> str:
     return f"sqlite://{Path(value).expanduser().resolve()}"
 
 
-def open_cli_store(value: str | None) -> Store:
-    """The store of ``--store``, migrated; a failure ends the command with exit code 3."""
+def open_cli_store(value: str | None, *, migrate: bool = True) -> Store:
+    """The store of ``--store``, migrated unless ``migrate`` is False (a command that must
+    change nothing); a failure ends the command with exit code 3."""
     try:
         store = open_store(store_url(value))
-        store.migrate()
+        if migrate:
+            store.migrate()
     except FleetError as exc:
         fail(str(exc), EXIT_FAILURE)
     return store

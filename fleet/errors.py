@@ -4,7 +4,8 @@
 
     FleetError
      ├── FleetStoreError         the store cannot be opened, migrated or written
-     │    └── SchemaTooNew       the database was migrated by newer code than this
+     │    ├── SchemaTooNew       the database was migrated by newer code than this
+     │    └── StoreRefused       the database answers and refuses this data (not an outage)
      ├── PkiError                a CA or certificate file is missing, foreign or refused
      ├── FleetKeyError           a signing key or root.json is missing, unreadable or refused
      ├── BundleError             a bundle cannot be built, read, signed or inspected
@@ -47,6 +48,11 @@ class BundleError(FleetError):
     def __init__(self, message: str, *, missing: bool = False) -> None:
         super().__init__(message)
         self.missing = missing
+
+
+class StoreRefused(FleetStoreError):
+    """The database refused the data itself (a constraint, a value it cannot hold): retrying
+    the same rows cannot help, unlike an outage. The ingest quarantines such a message."""
 
 
 class SchemaTooNew(FleetStoreError):

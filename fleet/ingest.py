@@ -35,9 +35,11 @@ names another device than its topic, comes from an unknown device (with auto-reg
 off) or trips an unexpected exception is quarantined with its reason and acked. A store
 failure (database down) is not bad input: the batch is retried with backoff, unacked, and the
 broker keeps holding the messages; a batch that keeps failing is split to find a message the
-store refuses, which is then quarantined alone, and only if the store answers a ping and
-fails that message once more (a database coming back must not make a good message look
-bad). Tested with PostgreSQL cut off for 6 s mid-stream (tests/tcp_proxy.py).
+store refuses, which is then quarantined alone: when the store says it refuses the data
+(``StoreRefused``: a constraint, a value it cannot hold), or after it failed that message
+five times in a row while answering a ping each time; never during an outage (a database
+that is down, or coming back, must not make a good message look bad). Tested with
+PostgreSQL cut off for 6 s mid-stream (tests/tcp_proxy.py).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-from fleet.errors import FleetStoreError, IngestError, MessageRefused
+from fleet.errors import FleetStoreError, IngestError, MessageRefused, StoreRefused
 from fleet.store import IngestResult, Quarantined, Row, Store, open_store, redact_url
 from fleet.store.base import QUARANTINE_PAYLOAD_MAX
 from wire import Message, StateMsg, Topic, WireError, decode, parse_topic
@@ -79,6 +81,20 @@ REASON_CLASSES = ("topic", "schema", "device_mismatch", "unknown_device", "store
 _BACKOFF_MAX_S = 5.0
 #: Consecutive failures of a batch before it is split to isolate a message the store refuses.
 _SPLIT_AFTER = 3
+#: Failures in a row of a lone message, each with the store answering a ping, before it is
+#: quarantined although the store never said it refuses it (see _quarantine_refused).
+_REFUSE_AFTER = 5
+
+
+def _backoff_s(failures: int) -> float:
+    """Jittered exponential backoff after ``failures`` in a row, capped at _BACKOFF_MAX_S.
+
+    The exponent is capped too: ``2 ** 1024`` overflows a float, and a store down for
+    long enough would otherwise kill the writer thread (nothing stored or acked after).
+    """
+    return random.uniform(0, min(_BACKOFF_MAX_S, 0.1 * 2 ** min(failures, 16)))
+
+
 #: Acks not sent by paho's thread within this time are sent by the writer.
 _ACK_FALLBACK_S = 0.02
 #: Longest time paho's thread waits for room in a full inbox before dropping (unacked).
@@ -377,6 +393,8 @@ def _store_server(url: str, migrate: bool, conn: Connection) -> None:
                     store.ping()
                 else:
                     store.quarantine([Quarantined(*t) for t in args])
+            except StoreRefused as exc:  # the parent raises it again as a refusal
+                conn.send(("refused", str(exc)))
             except Exception as exc:  # noqa: BLE001 - every failure goes back as text
                 conn.send(("err", f"{type(exc).__name__}: {exc}"))
             else:
@@ -434,6 +452,8 @@ class _StoreClient:
         except (EOFError, OSError) as exc:
             self._drop()
             raise FleetStoreError(f"store process died during {method}: {exc}") from None
+        if status == "refused":
+            raise StoreRefused(str(result))
         if status != "ok":
             raise FleetStoreError(str(result))
         return result
@@ -780,7 +800,11 @@ class IngestWorker:
             sock.close()
 
     def _commit_with_retry(self, store: _StoreOps, batch: list[_Incoming]) -> None:
-        failures = 0
+        """Commit ``batch``, retrying with backoff until it is stored (or, stopping, left
+        unacked for the broker to redeliver). After a few failures a batch is split and
+        each message retried alone, so one bad message cannot hold the others back; a lone
+        message is quarantined only when the store refuses it (see ``_refused``)."""
+        failures = answered = 0
         while True:
             try:
                 self._commit(store, batch)
@@ -789,43 +813,46 @@ class IngestWorker:
                 failures += 1
                 self.stats.store_retries += 1
                 self._note(f"store:{type(exc).__name__}", f"store failed a batch: {exc}")
-            if failures >= _SPLIT_AFTER and len(batch) > 1:
-                for item in batch:
-                    self._commit_single(store, item)
-                return
-            if failures >= _SPLIT_AFTER and self._try_quarantine_store_refusal(store, batch[0]):
-                return
+                error = exc
+            # A refusal is the data's, not the moment's: no point retrying the same rows.
+            refused = isinstance(error, StoreRefused)
             if self._stopping.is_set() and failures >= _SPLIT_AFTER:
                 return  # unacked: the broker redelivers to the group
-            time.sleep(random.uniform(0, min(_BACKOFF_MAX_S, 0.1 * 2**failures)))
+            if (refused or failures >= _SPLIT_AFTER) and len(batch) > 1:
+                for item in batch:
+                    self._commit_with_retry(store, [item])
+                return
+            if len(batch) == 1 and (refused or failures >= _SPLIT_AFTER):
+                if not refused:
+                    answered = answered + 1 if self._store_answers(store) else 0
+                if (refused or answered >= _REFUSE_AFTER) and self._quarantine_refused(
+                    store, batch[0], error
+                ):
+                    return
+            time.sleep(_backoff_s(failures))
 
-    def _commit_single(self, store: _StoreOps, item: _Incoming) -> None:
-        self._commit_with_retry(store, [item])
-
-    def _try_quarantine_store_refusal(self, store: _StoreOps, item: _Incoming) -> bool:
-        """A lone message the store keeps failing: quarantine it if the store still writes.
-
-        Only once the store answers and then fails this message again: a database that comes
-        back between a failed commit and the quarantine would otherwise take a good message
-        for a bad one (it would sit in quarantine, not with its device's data).
-        """
+    def _store_answers(self, store: _StoreOps) -> bool:
         try:
             store.ping()
-        except Exception:  # noqa: BLE001
-            return False  # the store is down, not this message: keep retrying
-        try:
-            self._commit(store, [item])
-        except Exception as exc:  # noqa: BLE001 - the store answers and still fails this one
-            self._note(f"store:{type(exc).__name__}", f"store refused a message: {exc}")
-        else:
-            return True
+        except Exception:  # noqa: BLE001 - the store is down: an outage, not this message
+            return False
+        return True
+
+    def _quarantine_refused(self, store: _StoreOps, item: _Incoming, error: Exception) -> bool:
+        """Quarantine a lone message the store refuses: it said so (:class:`StoreRefused`,
+        a constraint or a value it cannot hold), or it kept failing this message
+        ``_REFUSE_AFTER`` times in a row while answering a ping each time (an error we do
+        not know, which must not stall ingest for every device). Never during an outage: a
+        database that is down, or coming back, must not make a good message look bad.
+        False if the quarantine itself could not be written (retry)."""
+        self._note("store-refused", f"store refused a message on {item[3]}: {error}")
         try:
             store.quarantine(
                 [
                     Quarantined(
                         item[3],
                         item[4][:QUARANTINE_PAYLOAD_MAX],
-                        f"store refused the message: {self.stats.last_error}",
+                        f"store refused the message: {error}",
                         "$",
                         item[5],
                         None,
@@ -833,7 +860,7 @@ class IngestWorker:
                 ]
             )
         except Exception:  # noqa: BLE001
-            return False  # the store is down, not this message: keep retrying
+            return False  # the store is down after all: keep retrying
         self.stats.quarantined["store"] += 1
         self._ack([item])
         return True

@@ -113,7 +113,7 @@ def create(  # noqa: PLR0917 - typer passes options as parameters
         selector = parse_selector(select)
     except PlanError as exc:
         _fail(str(exc), 2)
-    st = _open(store)
+    st = _open(store, migrate=not dry_run)
     try:
         r = create_rollout(
             st, bundle, artifacts=artifacts, selector=selector, params=params,
@@ -139,7 +139,10 @@ def create(  # noqa: PLR0917 - typer passes options as parameters
 def _print_plan(r: m.Rollout, as_json: bool) -> None:
     """A dry run's plan: every wave with its devices, in offer order."""
     if as_json:
-        print(json.dumps({**summary(r), "dry_run": True, "plan": [list(w) for w in r.waves]}))
+        # Nothing was created: no state, no history; the id is the one the rollout gets if
+        # no other create comes first.
+        doc = {**summary(r), "state": "planned", "history": [], "dry_run": True}
+        print(json.dumps({**doc, "plan": [list(w) for w in r.waves]}))
         return
     out.print(f"dry run: {r.bundle_id} {r.version} to {len(r.devices)} device(s) in "
               f"{len(r.waves)} wave(s); nothing published or stored")  # fmt: skip

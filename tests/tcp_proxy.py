@@ -41,7 +41,7 @@ class TcpProxy:
         tb: TracebackType | None,
     ) -> None:
         self._stop.set()
-        self._listener.close()
+        _reset(self._listener)
         self._reset_all()
         self._thread.join(5)
 
@@ -78,9 +78,19 @@ class TcpProxy:
                 _reset(client)
                 continue
             upstream.settimeout(None)
-            self.accepted += 1
             with self._lock:
-                self._open |= {client, upstream}
+                # A cut() since the check above must not miss this pair.
+                if self._cut:
+                    cut_meanwhile = True
+                else:
+                    cut_meanwhile = False
+                    self._open |= {client, upstream}
+            if cut_meanwhile:
+                self.refused += 1
+                _reset(client)
+                _reset(upstream)
+                continue
+            self.accepted += 1
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
@@ -114,8 +124,12 @@ def target_of(url: str) -> tuple[str, int]:
 
 def _reset(s: socket.socket) -> None:
     # SO_LINGER 0: close sends RST, so the peer sees a dead connection at once (not a clean
-    # EOF it might take for an orderly shutdown).
+    # EOF it might take for an orderly shutdown). shutdown(SHUT_RD) first: on Linux, close()
+    # does not wake a thread blocked in recv() or accept() on the socket, and the pump
+    # thread would keep the connection's other side open until its peer sent again.
     with contextlib.suppress(OSError):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        s.shutdown(socket.SHUT_RD)
     with contextlib.suppress(OSError):
         s.close()

@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from fleet.errors import FleetStoreError, SchemaTooNew
+from fleet.errors import FleetStoreError, SchemaTooNew, StoreRefused
 from fleet.store import (
     QUARANTINE_PAYLOAD_MAX,
     DeviceInfo,
@@ -290,6 +290,14 @@ def test_ingest_rejects_a_non_data_kind_and_stores_nothing(store: Store) -> None
     with pytest.raises(FleetStoreError, match=r"kind 'state' is not a data kind"):
         store.ingest([telemetry("gw1", 1), bad])
     assert store.counts()["telemetry"] == 0
+
+
+def test_a_value_the_database_cannot_hold_is_a_refusal_and_stores_nothing(store: Store) -> None:
+    too_big = Row("gw1", "plant1", "telemetry", BOOT_A, 2**63, T0, b"{}", T0)
+    with pytest.raises(StoreRefused, match="refused"):
+        store.ingest([telemetry("gw1", 1), too_big])
+    assert store.counts()["telemetry"] == 0
+    store.ping()  # and the store goes on
 
 
 def test_concurrent_ingest_stores_each_row_once(backend: Backend) -> None:

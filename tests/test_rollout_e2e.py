@@ -157,6 +157,7 @@ def test_rollout_cli_create_status_list_pause_resume(tmp_path: Path, broker: Mos
         assert res.exit_code == 0, res.output
         preview = json.loads(res.stdout)
         assert preview["dry_run"] is True
+        assert preview["state"] == "planned"
         assert [len(w) for w in preview["plan"]] == [3, 3]
         res = runner.invoke(app, [*create, "--waves", "50%,100%", "--dry-run", *base])
         assert res.exit_code == 0, res.output

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import psycopg
 from psycopg import errors as pg_errors
 
-from fleet.errors import FleetStoreError, SchemaTooNew
+from fleet.errors import FleetStoreError, SchemaTooNew, StoreRefused
 from fleet.store import _common
 from fleet.store.base import (
     QUARANTINE_PAYLOAD_MAX,
@@ -122,6 +122,9 @@ class PostgresStore:
                     # quarantine, at worst kept twice.
                     if not db.broken or attempt > 0:
                         raise FleetStoreError(f"store {self.url}: {what} failed: {exc}") from None
+                except (psycopg.DataError, psycopg.IntegrityError, OverflowError) as exc:
+                    # OverflowError: an int past 64 bits, which psycopg cannot even send.
+                    raise StoreRefused(f"store {self.url}: {what} refused: {exc}") from None
                 except psycopg.Error as exc:
                     raise FleetStoreError(f"store {self.url}: {what} failed: {exc}") from None
             raise AssertionError("unreachable")

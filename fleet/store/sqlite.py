@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
-from fleet.errors import FleetStoreError, SchemaTooNew
+from fleet.errors import FleetStoreError, SchemaTooNew, StoreRefused
 from fleet.store import _common
 from fleet.store.base import (
     QUARANTINE_PAYLOAD_MAX,
@@ -92,6 +92,9 @@ class SqliteStore:
         with self._lock:
             try:
                 return fn(self._db)
+            except (sqlite3.IntegrityError, sqlite3.DataError, OverflowError) as exc:
+                # OverflowError: an int past 64 bits, which the driver cannot even send.
+                raise StoreRefused(f"store {self.url}: {what} refused: {exc}") from None
             except sqlite3.Error as exc:
                 raise FleetStoreError(f"store {self.url}: {what} failed: {exc}") from None
 
