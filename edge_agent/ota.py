@@ -322,7 +322,9 @@ class AgentOta:
         old_rules = stage.rules
         stage.rules = nr.rules
         try:
-            prepared = await asyncio.to_thread(stage.prepare, stage.model)
+            # The serving model, new rules: compiled only, the model is not run (prepare()
+            # would run it from this thread on the buffers the loop's windows use).
+            prepared = stage.prepare_rules(nr.rules)
         except AgentError as exc:
             stage.rules = old_rules
             raise ActivationError(f"config bundle: rules do not fit the model: {exc}") from None

@@ -79,6 +79,8 @@ class ProbeResult:
     skipped: tuple[str, ...] = ()
     model_sha256: str | None = None
     top_signals: tuple[tuple[str, float], ...] = ()
+    #: How ``top_signals`` were found (``occlusion``, ``keep_one``, ``none``): see Decision.
+    attribution: str = "none"
     rules_fired: tuple[tuple[str, str], ...] = ()
     #: Signals stale at the end of the probe window (what the ``dropout`` rule names).
     stale: tuple[str, ...] = ()
@@ -93,6 +95,7 @@ class ProbeResult:
             "skipped": list(self.skipped),
             "model_sha256": self.model_sha256,
             "top_signals": [{"signal": s, "contribution": _num(c, 4)} for s, c in self.top_signals],
+            "attribution": self.attribution,
             "rules_fired": [{"rule": r, "reason": why} for r, why in self.rules_fired],
             "stale": list(self.stale),
         }
@@ -376,6 +379,7 @@ def run_probe(
         skipped=tuple(skipped),
         model_sha256=ev.model_sha256,
         top_signals=ev.top_signals,
+        attribution=ev.attribution,
         rules_fired=tuple((r.rule, r.reason) for r in ev.rules_fired),
         stale=stale,
     )

@@ -45,12 +45,14 @@ was not seen yet at the window's start (NaN until its first sample, e.g. right a
 
 When no single occlusion lowers the winning score, the cause is joint (several signals
 stuck at once: replacing one still leaves a stuck window). Then the converse runs, one more
-batched invoke (the model's :meth:`~models.runtime.LoadedModel.keep_one_in`): every signal
+batched invoke (the model's :meth:`~models.runtime.LoadedModel.keep_one_in`; only for a
+model with batched occlusion, another scorer keeps the empty explanation): every signal
 replaced by its reference except one. A signal that alone keeps the label at or above its
-alarm threshold is named, with that probability (``attribution = "keep_one"``). Measured
-on the simulator (seed 7) with two, three and all six signals stuck at once: before, 30 or
-31 of the 31 stuck alarms named no signal; with it, every one names signals, only stuck
-ones (and frequency, which follows a stuck speed), all of the stuck ones on 29-30 of 31.
+alarm threshold is named, with that probability as its value (``attribution =
+"keep_one"``). Measured once on the simulator (seed 7) with two, three and all six signals
+stuck at once: before, 30 or 31 of the 31 stuck alarms named no signal; with it, every one
+names signals, only stuck ones (and frequency, which follows a stuck speed), all of the
+stuck ones on 29-30 of 31 (tests/test_reasoning.py checks the two- and three-signal cases).
 
 On the ``normal`` path ``top_signals`` is empty (``attribution = "none"``): explanations
 matter for alarms, and the normal path must stay within its ~100 µs budget.
@@ -75,7 +77,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -210,14 +212,16 @@ class StageStats:
 class Evaluation:
     """What :meth:`ReasoningStage.evaluate` makes of one window: a verdict without a Decision.
 
-    ``label``/``score``/``probabilities``/``top_signals``/``rules_fired`` mean what they mean
-    in :class:`~edge_agent.rules.Decision`; ``latency_ms`` is the evaluation's own time.
+    ``label``/``score``/``probabilities``/``top_signals``/``attribution``/``rules_fired`` mean
+    what they mean in :class:`~edge_agent.rules.Decision`; ``latency_ms`` is the
+    evaluation's own time.
     """
 
     label: str
     score: float
     probabilities: Mapping[str, float]
     top_signals: tuple[tuple[str, float], ...]
+    attribution: str
     rules_fired: tuple[RuleFiring, ...]
     model_sha256: str
     latency_ms: float
@@ -325,9 +329,12 @@ class ReasoningStage:
         mean, noise = _occlusion_constants(m)
         level_ref = mean + noise
         make = getattr(model, "level_occlusion", None)
+        # keep_one_in reads the buffers of the model's own batched occlusion: only with it.
+        keep_one = None
         if callable(make):
             batched = make(noise, mean)
             occlude_normal, occlude_median = batched.at_base, batched.at_median
+            keep_one = getattr(model, "keep_one_in", None)
         else:
             occlude_normal = partial(_occluded_one_by_one, model, ref=level_ref)
             occlude_median = partial(
@@ -344,7 +351,7 @@ class ReasoningStage:
             level_ref=level_ref,
             occlude_normal=occlude_normal,
             occlude_median=occlude_median,
-            keep_one=getattr(model, "keep_one_in", None),
+            keep_one=keep_one,
             sha256=model.sha256,
             version=m.version,
         )
@@ -355,6 +362,21 @@ class ReasoningStage:
                 if label != NORMAL:
                     _occlusion(prepared, level_ref, label, 1.0)  # right after its predict
         return prepared
+
+    def prepare_rules(self, rules: RuleSet) -> PreparedModel:
+        """The serving model under new ``rules``, for :meth:`swap` (a config update).
+
+        Only the rules are compiled: the model is neither run nor touched, so this is safe
+        from another thread while it serves (:meth:`prepare` would run it, and its buffers
+        are the serving window's). Raises :class:`ModelMismatch` if the rules do not fit.
+        """
+        active = self._active
+        m = active.model.manifest
+        try:
+            compiled = rules.compile(m.labels, self.perception.signals, m.thresholds)
+        except RulesError as exc:
+            raise ModelMismatch(f"model {m.name} {m.version}: {exc}") from None
+        return replace(active, rules=compiled)
 
     def swap(self, prepared: PreparedModel) -> Scorer:
         """Install ``prepared`` between two windows; returns the model it replaced.
@@ -493,13 +515,15 @@ class ReasoningStage:
         values, plist = _score(active, window, held if held.any() else None)
         label, score = rules.winner(plist, allowed)
         top: tuple[tuple[str, float], ...] = ()
+        attribution = "none"
         if label != NORMAL and rules.top_k:
-            top, _ = _occlusion(active, values, label, score)
+            top, attribution = _occlusion(active, values, label, score)
         return Evaluation(
             label=label,
             score=score,
             probabilities=dict(zip(rules.labels, plist, strict=True)),
             top_signals=top,
+            attribution=attribution,
             rules_fired=tuple(fired),
             model_sha256=active.sha256,
             latency_ms=(self.timer() - t0) / 1e6,

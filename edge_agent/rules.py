@@ -490,9 +490,11 @@ class Decision:
     whether it actually scored this window (it does not when the breaker has degraded the
     stage). Without a run, ``label``/``score`` repeat the last scored verdict and
     ``probabilities`` is empty. ``mode`` is the breaker's (``full``, ``every_k``,
-    ``rules_only``). ``top_signals`` are (signal, contribution) pairs, most contributing
-    first; ``attribution`` says how they were computed (``occlusion``, ``keep_one``, or
-    ``none``). :meth:`to_json` is the payload published on ``.../decision``.
+    ``rules_only``). ``top_signals`` are (signal, value) pairs, most contributing first;
+    ``attribution`` says how they were computed and what the value is: ``occlusion`` (the
+    drop of the label's probability without the signal), ``keep_one`` (the label's
+    probability with only that signal left as it was, when the cause is joint) or
+    ``none``. :meth:`to_json` is the payload published on ``.../decision``.
     """
 
     trace_id: str

@@ -482,6 +482,7 @@ class LoadedModel:
         "_occ_out",
         "_occ_q",
         "_occ_q4",
+        "_occluded",
         "_out_index",
         "_out_scale",
         "_out_zp",
@@ -572,6 +573,8 @@ class LoadedModel:
         # input per signal (signal occluded, step, group, signal) built from it and _q3.
         n = len(manifest.signals)
         self._last: object = None  # the values of the latest predict() (identity only)
+        # Whether the occlusion batch holds the last predicted window's (keep_one_in).
+        self._occluded = False
         self._ref_q3 = np.empty((window, groups, n), dtype=np.int8)
         self._occ_q = np.empty((n, window, channels), dtype=np.int8)
         self._occ_q4 = self._occ_q.reshape(n, window, groups, n)
@@ -652,6 +655,7 @@ class LoadedModel:
             self._check_values(values)
         self._features_into(values, self._q3)
         self._last = values
+        self._occluded = False
         interp = self._interp
         interp.set_tensor(self._in_index, self._q)
         interp.invoke()
@@ -730,13 +734,18 @@ class LoadedModel:
         carry it?": the question that still has an answer when the cause is joint (several
         signals stuck at once, where replacing any one of them leaves a stuck window).
         """
+        if not self._occluded:
+            raise ValueError("keep_one_in() needs an occlusion of the last predicted window")
         ref_t = self._occ_diag.copy()  # (signal, step, group): each signal's reference
         np.copyto(self._occ_q4, ref_t.transpose(1, 2, 0))  # every row: all references
         np.copyto(self._occ_diag, self._q3.transpose(2, 0, 1))  # row i keeps signal i
-        return self._run_occluded()
+        rows = self._run_occluded()
+        self._occluded = False  # the batch no longer holds the references
+        return rows
 
     def _run_occluded(self) -> FloatArray:
         """The probabilities of the batch of occluded inputs already in place."""
+        self._occluded = True
         occ = self._occ
         if occ is not None:
             occ.set_tensor(self._occ_in, self._occ_q)

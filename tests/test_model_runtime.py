@@ -497,19 +497,25 @@ def test_keep_one_in_rows_are_the_model_on_every_reference_but_one(
     backend: str, windows: npt.NDArray[np.float32]
 ) -> None:
     """keep_one_in() after an occlusion: row i is the model on the occlusion's references
-    for every signal but i, which keeps the window's own int8 channels."""
+    for every signal but i, which keeps the window's own int8 channels. The references are
+    taken from where each occlusion path builds them, not from the batch keep_one_in reads."""
     loaded = load_model(backend=backend)
     _, base, occlusion = _level_occlusion(loaded, windows, seed=5)
     checked = 0
     for case, _ in _occlusion_cases(windows):
         x = np.where(np.isnan(case), base, case).astype(np.float32)
-        for median in (False, True):
+        level = np.median(x, axis=0).astype(np.float32)
+        for path in ("base", "level", "median"):
             loaded.predict(x)
-            if median:
-                occlusion.at_median(x, x)
-            else:
+            if path == "base":
                 occlusion.at_base(x)
-            refs = loaded._occ_diag.transpose(1, 2, 0).copy()  # (step, group, signal)
+                refs = occlusion._base_q3.copy()
+            elif path == "level":
+                occlusion.at(x, level)  # the numpy path's reference, kept in _ref_t
+                refs = occlusion._ref_t.transpose(1, 2, 0).copy()
+            else:
+                occlusion.at_median(x, x)  # compiled when numba runs: the same cells
+                refs = loaded._occ_diag.transpose(1, 2, 0).copy()
             own = loaded._q3.copy()
             rows = loaded.keep_one_in()
             for i in range(len(SIGNALS)):
@@ -517,8 +523,15 @@ def test_keep_one_in_rows_are_the_model_on_every_reference_but_one(
                 q[:, :, i] = own[:, :, i]
                 expected = loaded.dequantize(loaded.invoke_int8(q.reshape(loaded._q.shape)))
                 np.testing.assert_array_equal(rows[i], expected)
+            # The batch now holds keep-one inputs, not references: a second call is refused,
+            # as is one after a predict() without an occlusion.
+            with pytest.raises(ValueError, match="needs an occlusion"):
+                loaded.keep_one_in()
             checked += 1
-    assert checked >= 4
+    loaded.predict(x)
+    with pytest.raises(ValueError, match="needs an occlusion"):
+        loaded.keep_one_in()
+    assert checked >= 6
 
 
 @pytest.mark.parametrize("backend", AVAILABLE)

@@ -256,6 +256,7 @@ def same_verdict(ev: Any, d: Decision) -> None:
     assert ev.score == d.score
     assert ev.probabilities == d.probabilities
     assert ev.top_signals == d.top_signals
+    assert ev.attribution == d.attribution
     assert ev.rules_fired == d.rules_fired
     assert ev.model_sha256 == d.model_sha256
     assert ev.latency_ms > 0
@@ -427,6 +428,7 @@ def test_run_probe_times_each_stage(
             assert json.loads(json.dumps(doc, allow_nan=False)) == doc
             assert doc["label"] == "spike"
             assert doc["top_signals"][0]["signal"] == "current"
+            assert doc["attribution"] == "occlusion"
             # An injected clock: every stage takes exactly one tick of 2 ms.
             clock = steps(2 * MS)
             res = run_probe(
