@@ -227,16 +227,7 @@ def write_broker_config(
     local_ca = out_dir / pki.CA_CERT
     if local_ca.resolve() != ca_cert.resolve():
         pki.write_durable(local_ca, ca_cert.read_bytes())
-    crl = pki.read_crl(pki_dir)
-    if crl is None or {e.serial_number for e in crl} != revoked:
-        # No list (a CA made before revocation existed, or a lost file) or one that lacks a
-        # serial of the journal: sign it again from the journal, never an emptier one.
-        try:
-            pki.write_crl(pki_dir, passphrase=passphrase)
-        except PkiError as exc:
-            raise PkiError(f"signing the revocation list {pki_dir / pki.CRL}: {exc}") from None
-        crl = pki.read_crl(pki_dir)
-        assert crl is not None
+    crl = pki.current_crl(pki_dir, passphrase=passphrase)
     local_crl = out_dir / pki.CRL
     if local_crl.resolve() != (pki_dir / pki.CRL).resolve():
         pki.write_durable(local_crl, crl.public_bytes(serialization.Encoding.PEM))

@@ -803,7 +803,7 @@ class IngestWorker:
         """Commit ``batch``, retrying with backoff until it is stored (or, stopping, left
         unacked for the broker to redeliver). After a few failures a batch is split and
         each message retried alone, so one bad message cannot hold the others back; a lone
-        message is quarantined only when the store refuses it (see ``_refused``)."""
+        message is quarantined only when the store refuses it (``_quarantine_refused``)."""
         failures = answered = 0
         while True:
             try:
@@ -818,11 +818,11 @@ class IngestWorker:
             refused = isinstance(error, StoreRefused)
             if self._stopping.is_set() and failures >= _SPLIT_AFTER:
                 return  # unacked: the broker redelivers to the group
-            if (refused or failures >= _SPLIT_AFTER) and len(batch) > 1:
-                for item in batch:
-                    self._commit_with_retry(store, [item])
-                return
-            if len(batch) == 1 and (refused or failures >= _SPLIT_AFTER):
+            if refused or failures >= _SPLIT_AFTER:
+                if len(batch) > 1:
+                    for item in batch:
+                        self._commit_with_retry(store, [item])
+                    return
                 if not refused:
                     answered = answered + 1 if self._store_answers(store) else 0
                 if (refused or answered >= _REFUSE_AFTER) and self._quarantine_refused(

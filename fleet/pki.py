@@ -539,9 +539,14 @@ def read_crl(ca_dir: Path) -> x509.CertificateRevocationList | None:
 
 def revoked_serials(ca_dir: Path) -> frozenset[int]:
     """Serial numbers revoked: on the CA's revocation list or in its journal."""
-    crl = read_crl(ca_dir)
+    return _serials(read_crl(ca_dir), _journal(ca_dir))
+
+
+def _serials(
+    crl: x509.CertificateRevocationList | None, journal: dict[int, datetime]
+) -> frozenset[int]:
     listed = {e.serial_number for e in crl} if crl is not None else set()
-    return frozenset(listed | _journal(ca_dir).keys())
+    return frozenset(listed | journal.keys())
 
 
 @contextlib.contextmanager
@@ -586,22 +591,43 @@ def _entries(
     return entries
 
 
-def write_crl(
+def current_crl(
     ca_dir: Path, *, passphrase: bytes | None = None, now: datetime | None = None
-) -> Path:
-    """Sign the CA's revocation list again: its entries and the journal's (empty if none).
+) -> x509.CertificateRevocationList:
+    """The CA's revocation list as a broker must get it.
 
-    ``fleet broker-config`` calls it when ``crl.pem`` is missing (a CA made before
-    revocation existed, or a lost file): every serial in the journal stays revoked.
+    Signed again first when it is missing (a CA made before revocation existed, or a lost
+    file) or lacks a serial of the journal: every journaled serial stays revoked, and the
+    list is never emptier than the journal. Signing needs the CA key (``passphrase``).
     """
-    ca_cert, ca_key = _load_ca(ca_dir, passphrase)
     with _locked(ca_dir):
         crl = read_crl(ca_dir)
-        entries = _entries(crl, _journal(ca_dir))
-        number = _crl_number(crl) + 1 if crl is not None else len(entries) + 1
-        path = ca_dir / CRL
-        write_durable(path, _sign_crl(ca_cert, ca_key, entries, now or datetime.now(UTC), number))
-    return path
+        journal = _journal(ca_dir)
+        if crl is not None and journal.keys() <= {e.serial_number for e in crl}:
+            return crl
+        try:
+            ca = _load_ca(ca_dir, passphrase)
+        except PkiError as exc:
+            raise PkiError(f"signing the revocation list {ca_dir / CRL}: {exc}") from None
+        _sign_into(ca_dir, ca, crl, journal, now or datetime.now(UTC))
+    fresh = read_crl(ca_dir)
+    assert fresh is not None
+    return fresh
+
+
+def _sign_into(
+    ca_dir: Path,
+    ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey],
+    crl: x509.CertificateRevocationList | None,
+    journal: dict[int, datetime],
+    now: datetime,
+) -> int:
+    """Write ``crl.pem``: the old list's entries and the journal's, numbered after the old
+    list. Returns the number of entries. Call it holding ``_locked``."""
+    entries = _entries(crl, journal)
+    number = _crl_number(crl) + 1 if crl is not None else len(entries) + 1
+    write_durable(ca_dir / CRL, _sign_crl(*ca, entries, now, number))
+    return len(entries)
 
 
 def _crl_number(crl: x509.CertificateRevocationList) -> int:
@@ -633,13 +659,12 @@ def revoke(
         paths += sorted((registry / BY_SERIAL).glob(f"{name}.*.crt"))
     if not paths:
         raise PkiError(f"{recorded}: this CA never issued a certificate named {name!r}")
-    ca_cert, ca_key = _load_ca(ca_dir, passphrase)
+    ca = _load_ca(ca_dir, passphrase)
     now = now or datetime.now(UTC)
     with _locked(ca_dir):
         crl = read_crl(ca_dir)
         journal = _journal(ca_dir)
-        listed = {e.serial_number for e in crl} if crl is not None else set()
-        listed |= journal.keys()
+        listed = set(_serials(crl, journal))
         added: list[int] = []
         for path in paths:
             cert = read_cert(path)
@@ -654,8 +679,5 @@ def revoke(
         for serial in added:
             write_durable(registry / REVOKED / f"{serial:x}", now.isoformat().encode())
             journal[serial] = now
-        entries = _entries(crl, journal)
-        number = _crl_number(crl) + 1 if crl is not None else len(entries) + 1
-        path = ca_dir / CRL
-        write_durable(path, _sign_crl(ca_cert, ca_key, entries, now, number))
-    return Revocation(name, tuple(added), path, len(entries))
+        entries = _sign_into(ca_dir, ca, crl, journal, now)
+    return Revocation(name, tuple(added), ca_dir / CRL, entries)
