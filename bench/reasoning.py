@@ -20,7 +20,9 @@ attribution, else one per signal), jit (features and quantization compiled by nu
 with --no-jit, as under the hardened systemd unit), host_stalls_per_s / host_stall_p50_us
 (how often and how long the CPU was taken from a tight loop in the same run: the
 machine's noise floor).
-Target: P99 of the stage <= 100 µs on the normal path.
+Target: P99 of the stage over all windows (p99_us) <= 100 µs. The paced figures are the
+machine's side of the story: a bare invoke after 5 ms of idling is already several times
+slower than back to back, so they are compared with the paced bare invoke, not the target.
 """
 
 from __future__ import annotations
@@ -178,11 +180,11 @@ def main() -> None:
         f"{r['threads']} thread(s), {r['machine']}, "
         f"features {'compiled' if r['jit'] else 'numpy'}"
     )
-    print(f"  all windows   p50 {r['p50_us']} µs  p99 {r['p99_us']} µs")
     print(
-        f"  normal path   p50 {r['normal_p50_us']} µs  p99 {r['normal_p99_us']} µs "
+        f"  all windows   p50 {r['p50_us']} µs  p99 {r['p99_us']} µs "
         f"(target p99 <= {r['target_p99_us']} µs)"
     )
+    print(f"  normal path   p50 {r['normal_p50_us']} µs  p99 {r['normal_p99_us']} µs")
     print(f"  alarm path    p50 {r['alarm_p50_us']} µs  p99 {r['alarm_p99_us']} µs (occlusion)")
     print(
         f"  paced 100 Hz  p50 {r['paced_p50_us']} µs  p99 {r['paced_p99_us']} µs; bare invoke "
