@@ -25,10 +25,12 @@ on its own connection: acks of a lost connection are skipped (and, when the brok
 the session, its unprocessed messages are discarded: the broker resends them all).
 
 The inbox is bounded and the broker's flow control (Receive Maximum = inbox size) keeps it
-from filling. If it fills anyway (Mosquitto 2.0.11 was seen to overshoot), paho's thread
-waits for room (TCP backpressure) for up to 10 s, then drops the message WITHOUT an ack,
-counts it in ``dropped`` and reconnects: MQTT 5 redelivers unacked QoS 1 messages of a
-persistent session only on a new connection, so a drop is safe but costs a resync.
+from filling with QoS 1 messages. QoS 0 messages (a device that publishes them) are outside
+flow control, and Mosquitto 2.0.11 was seen to overshoot: if the inbox fills anyway, paho's
+thread waits for room (TCP backpressure) for up to ``full_wait_s`` (10 s), then drops the
+message WITHOUT an ack, counts it in ``dropped`` and reconnects: MQTT 5 redelivers unacked
+QoS 1 messages of a persistent session only on a new connection, so a drop loses nothing
+but a QoS 0 message (sent at most once by definition) and costs a resync.
 
 Bad input never stops a worker: a message that does not parse, does not fit the schema,
 names another device than its topic, comes from an unknown device (with auto-registration
@@ -97,8 +99,6 @@ def _backoff_s(failures: int) -> float:
 
 #: Acks not sent by paho's thread within this time are sent by the writer.
 _ACK_FALLBACK_S = 0.02
-#: Longest time paho's thread waits for room in a full inbox before dropping (unacked).
-_FULL_WAIT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +115,9 @@ class IngestConfig:
     batch_ms: int = 50
     #: Messages between paho's thread and the writer; also the MQTT 5 Receive Maximum.
     queue_max: int = 10_000
+    #: Longest time paho's thread waits for room in a full queue before it drops a message
+    #: (unacked, so redelivered after the reconnect the drop forces).
+    full_wait_s: float = 10.0
     session_expiry_s: int = 3600
     keepalive_s: int = 30
     username: str | None = None
@@ -135,6 +138,8 @@ class IngestConfig:
             raise IngestError(f"batch_ms {self.batch_ms}: expected 1..60000")
         if not 1 <= self.queue_max <= 65_535:
             raise IngestError(f"queue_max {self.queue_max}: expected 1..65535 (MQTT limit)")
+        if not 0 < self.full_wait_s <= 600:
+            raise IngestError(f"full_wait_s {self.full_wait_s}: expected 0 < seconds <= 600")
         if not 0 < self.broker_port < 65_536:
             raise IngestError(f"broker port {self.broker_port}: expected 1..65535")
 
@@ -157,6 +162,8 @@ class IngestStats:
     acked: int = 0
     #: Dropped by the full queue (unacked, redelivered after a reconnect).
     dropped: int = 0
+    #: QoS 0 messages dropped by the full queue: lost (a device sent them at most once).
+    dropped_qos0: int = 0
     #: Unprocessed messages of a lost connection discarded on reconnect (the broker resends).
     discarded: int = 0
     store_retries: int = 0
@@ -174,7 +181,7 @@ class IngestStats:
     def add(self, other: IngestStats) -> None:
         for name in ("received", "stored", "duplicates", "states", "batches", "acked"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("dropped", "discarded", "store_retries", "connects"):
+        for name in ("dropped", "dropped_qos0", "discarded", "store_retries", "connects"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, v in other.quarantined.items():
             self.quarantined[k] = self.quarantined.get(k, 0) + v
@@ -666,6 +673,10 @@ class IngestWorker:
             topic = repr(msg._topic)  # paho refuses to decode it for us
         item = (self._epoch, msg.mid, msg.qos, topic, bytes(msg.payload), now)
         if len(self._inbox) >= self._queue_max and not self._wait_for_space():
+            if msg.qos == 0:
+                # Sent at most once: no reconnect brings it back, so none is forced.
+                self.stats.dropped_qos0 += 1
+                return
             # Unacked, so the broker still owes it to us: it is redelivered after the
             # reconnect that _do_resync forces.
             self.stats.dropped += 1
@@ -677,12 +688,13 @@ class IngestWorker:
 
     def _wait_for_space(self) -> bool:
         """Backpressure: hold paho's thread (so it stops reading the socket and TCP holds the
-        broker) until the writer frees room, for at most ``_FULL_WAIT_S``.
+        broker) until the writer frees room, for at most ``config.full_wait_s``.
 
-        Receive Maximum should make this unreachable, but Mosquitto 2.0.11 was seen to send
-        past it. Cannot deadlock: the writer frees room by taking messages, which does not
-        need paho's thread (acks are only queued for it)."""
-        deadline = time.monotonic() + _FULL_WAIT_S
+        Receive Maximum keeps QoS 1 messages from filling the inbox (Mosquitto 2.0.11 was
+        seen to send past it); QoS 0 messages are outside its count. Cannot deadlock: the
+        writer frees room by taking messages, which does not need paho's thread (acks are
+        only queued for it)."""
+        deadline = time.monotonic() + self.config.full_wait_s
         while len(self._inbox) >= self.config.queue_max:
             if time.monotonic() > deadline or self._stopping.is_set():
                 return False

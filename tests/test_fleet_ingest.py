@@ -913,3 +913,61 @@ def test_messages_the_database_refuses_are_quarantined_and_the_rest_stored(
         assert all("gw-bad is decommissioned" in q.reason for q in refused)
     finally:
         store.close()
+
+
+def test_a_locked_database_and_a_full_queue_lose_nothing_sent_at_least_once(
+    tmp_path: Path, broker: Mosquitto
+) -> None:
+    """Another writer holds the SQLite write lock for 8 s (a VACUUM, a long CLI transaction)
+    while a device streams at QoS 1 and a misbehaving one floods at QoS 0 (outside the
+    broker's flow control) into a 20-message queue. Nothing is quarantined: every commit
+    fails, but the store's ping fails too (it takes the write lock), so the failures are an
+    outage, not a message the store refuses. The full queue drops QoS 0 messages, counted,
+    without forcing a reconnect; every QoS 1 message is stored exactly once."""
+    path = tmp_path / "fleet.db"
+    url = sqlite_url(path) + "?busy_timeout_ms=300"
+    store = opened(url)
+    good, noisy = boot_id(), boot_id()
+    total, flood = 60, 400
+    try:
+        with make_worker(broker, url, queue_max=20, full_wait_s=0.3) as worker:
+            assert worker.wait_ready(10)
+            pub = Publisher(broker.host, broker.port)
+            probe_until_stored(pub, store, state("gw-steady", good, 0), 30)
+            connects = worker.stats.connects
+            other = sqlite3.connect(path, isolation_level=None)
+            other.execute("BEGIN IMMEDIATE")
+            try:
+                for seq in range(1, total + 1):
+                    pub.send(telemetry("gw-steady", good, seq))
+                for seq in range(flood):
+                    pub.client.publish(
+                        topic_of(telemetry("gw-noisy", noisy, seq)),
+                        encode(telemetry("gw-noisy", noisy, seq)),
+                        qos=0,
+                    )
+                wait_until(lambda: worker.stats.dropped_qos0 > 0, 20, "a QoS 0 message dropped")
+                time.sleep(8)
+                retries_during_lock = worker.stats.store_retries
+            finally:
+                other.execute("ROLLBACK")
+                other.close()
+            pub.close()
+            wait_until(
+                lambda: stored_seqs(store, "gw-steady") == list(range(1, total + 1)),
+                60,
+                "every QoS 1 message stored",
+            )
+            time.sleep(0.5)
+        stats = worker.stats
+        assert retries_during_lock > 3  # the commits did fail for the whole lock
+        assert sum(stats.quarantined.values()) == 0, (stats.quarantined, stats.last_error)
+        assert stats.dropped == 0  # flow control held every QoS 1 message at the broker
+        assert stats.connects == connects  # QoS 0 drops forced no resync
+        noisy_seqs = stored_seqs(store, "gw-noisy")
+        assert noisy_seqs == sorted(set(noisy_seqs))
+        # Every QoS 0 message was stored or counted as dropped (none silently vanished).
+        assert len(noisy_seqs) + stats.dropped_qos0 == flood, (len(noisy_seqs), stats)
+        assert stored_seqs(store, "gw-steady") == list(range(1, total + 1))
+    finally:
+        store.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -283,6 +284,52 @@ def test_ping_answers_while_the_database_does_and_raises_while_it_is_gone() -> N
             store.ping()
         finally:
             store.close()
+
+
+def test_ping_fails_while_a_write_could_not_start(backend: Backend) -> None:
+    """A SELECT answers while no write can land (SQLite: another connection holds the write
+    lock, e.g. a VACUUM; PostgreSQL: a read-only server, e.g. a standby after a failover).
+    The ingest reads a ping as "the store is fine, so it is this message" and would
+    quarantine good messages: a ping must say whether a write could start."""
+    store = backend.open()
+    try:
+        if backend.name == "sqlite":
+            other = sqlite3.connect(backend.url.removeprefix("sqlite://"), isolation_level=None)
+            other.execute("BEGIN IMMEDIATE")
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(FleetStoreError, match="ping failed: database is locked"):
+                    store.ping()
+                assert time.monotonic() - t0 < 5  # PING_WAIT_MS, not the 15 s busy timeout
+            finally:
+                other.execute("ROLLBACK")
+                other.close()
+            store.ping()
+            store.ingest([telemetry("gw1", 1)])  # the ping left no transaction open
+        else:
+            read_only = open_store(backend.url + "&options=-c%20default_transaction_read_only%3Don")
+            try:
+                with pytest.raises(FleetStoreError, match="read-only"):
+                    read_only.ping()
+            finally:
+                read_only.close()
+            store.ping()
+    finally:
+        store.close()
+
+
+def test_sqlite_url_busy_timeout_option(tmp_path: Path) -> None:
+    db = tmp_path / "fleet.db"
+    assert SqliteStore(f"sqlite://{db}?busy_timeout_ms=250").busy_timeout_ms == 250
+    assert SqliteStore(f"sqlite://{db}").busy_timeout_ms == 15_000
+    for query, error in (
+        ("busy_timeout_ms=soon", "busy_timeout_ms='soon': expected milliseconds"),
+        ("busy_timeout_ms=0", "busy_timeout_ms='0': expected milliseconds"),
+        ("timeout=5", r"unknown option\(s\) timeout"),
+        ("busy_timeout_ms", "cannot parse its query"),
+    ):
+        with pytest.raises(FleetStoreError, match=error):
+            SqliteStore(f"sqlite://{db}?{query}")
 
 
 def test_ingest_rejects_a_non_data_kind_and_stores_nothing(store: Store) -> None:

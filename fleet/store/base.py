@@ -221,7 +221,8 @@ class Store(Protocol):
         ...
 
     def ping(self) -> None:
-        """Return if the database answers now (a round trip), else raise FleetStoreError."""
+        """Return if the database answers now and a write could start (SQLite: its write
+        lock is free), else raise FleetStoreError."""
         ...
 
     def close(self) -> None: ...

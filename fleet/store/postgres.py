@@ -512,7 +512,15 @@ class PostgresStore:
         return self._run("ota_status_since", go)
 
     def ping(self) -> None:
-        self._run("ping", lambda db: db.execute("SELECT 1").fetchone())
+        # A standby (a failover that left us on the wrong server) or a database set
+        # read-only answers a SELECT and refuses every write: that is an outage, not data
+        # the store refuses, so the ping must fail too.
+        def go(db: psycopg.Connection[tuple[Any, ...]]) -> None:
+            row = db.execute("SELECT current_setting('transaction_read_only')").fetchone()
+            if row is None or row[0] != "off":
+                raise FleetStoreError(f"store {self.url}: the database is read-only")
+
+        self._run("ping", go)
 
     def close(self) -> None:
         with self._lock:

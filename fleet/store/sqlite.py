@@ -5,6 +5,10 @@ same file. Writes take the database lock up front (``BEGIN IMMEDIATE``) so that 
 never both hold a read snapshot and then deadlock upgrading it; ``busy_timeout`` makes the
 second wait instead of failing. ``synchronous=NORMAL`` in WAL mode keeps the database
 consistent on power loss and may lose only the last commits, which the broker redelivers.
+
+The URL may carry ``?busy_timeout_ms=N`` (default 15000): how long a write waits for another
+writer's transaction (a CLI command, another worker, a ``sqlite3`` shell) before it fails
+and the ingest retries it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from fleet.errors import FleetStoreError, SchemaTooNew, StoreRefused
 from fleet.store import _common
@@ -36,11 +40,31 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 #: How long a writer waits for another's transaction before giving up.
 BUSY_TIMEOUT_MS = 15_000
+#: The longest a ping waits for the write lock: it asks "could a write start now?".
+PING_WAIT_MS = 1_000
 _QMAX = QUARANTINE_PAYLOAD_MAX
 #: A device registered ahead of its first message has first_seen_ns 0 until that message.
 _FIRST_SEEN = (
     "first_seen_ns = CASE WHEN first_seen_ns = 0 THEN excluded.first_seen_ns ELSE first_seen_ns END"
 )
+
+
+def _busy_timeout(url: str, query: str) -> int:
+    try:
+        options = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
+    except ValueError:
+        raise FleetStoreError(f"store URL {url!r}: cannot parse its query {query!r}") from None
+    unknown = sorted(set(options) - {"busy_timeout_ms"})
+    if unknown:
+        raise FleetStoreError(
+            f"store URL {url!r}: unknown option(s) {', '.join(unknown)} (known: busy_timeout_ms)"
+        )
+    text = options.get("busy_timeout_ms", str(BUSY_TIMEOUT_MS))
+    if not text.isdigit() or not 1 <= int(text) <= 3_600_000:
+        raise FleetStoreError(
+            f"store URL {url!r}: busy_timeout_ms={text!r}: expected milliseconds, 1..3600000"
+        )
+    return int(text)
 
 
 class SqliteStore:
@@ -56,19 +80,20 @@ class SqliteStore:
                 "an absolute path)"
             )
         self.path = path
+        self.busy_timeout_ms = _busy_timeout(url, parts.query)
         # The lock makes one Store safe to hand between threads (asyncio.to_thread runs on
         # any pool thread); it is not meant to be shared by busy workers.
         self._lock = threading.Lock()
-        deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+        deadline = time.monotonic() + self.busy_timeout_ms / 1000
         while True:
             try:
                 self._db = sqlite3.connect(
                     path,
-                    timeout=BUSY_TIMEOUT_MS / 1000,
+                    timeout=self.busy_timeout_ms / 1000,
                     isolation_level=None,
                     check_same_thread=False,
                 )
-                self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+                self._db.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
                 mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
                 self._db.execute("PRAGMA synchronous = NORMAL")
                 break
@@ -454,7 +479,20 @@ class SqliteStore:
         return self._run("ota_status_since", go)
 
     def ping(self) -> None:
-        self._run("ping", lambda db: db.execute("SELECT 1").fetchone())
+        # "SELECT 1" answers even while another connection holds the write lock (a VACUUM,
+        # a long CLI transaction), when every write fails: the ingest would take its own
+        # failures for a message the store refuses. So a ping takes the write lock and
+        # gives it back, waiting at most PING_WAIT_MS for it.
+        def go(db: sqlite3.Connection) -> None:
+            wait = min(self.busy_timeout_ms, PING_WAIT_MS)
+            db.execute(f"PRAGMA busy_timeout = {wait}")
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                db.execute("ROLLBACK")
+            finally:
+                db.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
+
+        self._run("ping", go)
 
     def close(self) -> None:
         with self._lock:
