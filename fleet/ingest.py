@@ -72,7 +72,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from fleet.errors import FleetStoreError, IngestError, MessageRefused, StoreRefused
 from fleet.store import IngestResult, Quarantined, Row, Store, open_store, redact_url
 from fleet.store.base import QUARANTINE_PAYLOAD_MAX
-from wire import Message, StateMsg, Topic, WireError, decode, parse_topic
+from wire import MAX_PAYLOAD_BYTES, Message, StateMsg, Topic, WireError, decode, parse_topic
 from wire.topics import UPLINK_KINDS, shared_subscription
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,8 @@ def _backoff_s(failures: int) -> float:
     return random.uniform(0, min(_BACKOFF_MAX_S, 0.1 * 2 ** min(failures, 16)))
 
 
+#: The largest MQTT packet the worker accepts (CONNECT Maximum Packet Size).
+MAX_PACKET_BYTES = 2 * MAX_PAYLOAD_BYTES
 #: Acks not sent by paho's thread within this time are sent by the writer.
 _ACK_FALLBACK_S = 0.02
 
@@ -590,6 +592,10 @@ class IngestWorker:
         # Flow control: the broker never has more unacked messages out to us than the queue
         # holds, so the queue cannot overflow while the writer is slow or the store is down.
         props.ReceiveMaximum = self.config.queue_max
+        # Memory: the queue counts messages, not bytes, and a broker may allow far larger
+        # packets (Mosquitto: 256 MB). Up to twice the contract's limit still reaches us and
+        # is quarantined with its size; beyond, the broker drops it for this client.
+        props.MaximumPacketSize = MAX_PACKET_BYTES
         return props
 
     def _on_connect(

@@ -545,6 +545,30 @@ def test_malformed_messages_are_quarantined_and_valid_ones_stored(
         store.close()
 
 
+def test_a_packet_past_the_workers_maximum_never_reaches_its_memory(
+    tmp_path: Path, broker: Mosquitto
+) -> None:
+    """The queue counts messages, not bytes: the worker tells the broker the largest packet
+    it takes (CONNECT Maximum Packet Size), so a 4 MB publish (Mosquitto allows 256 MB)
+    is dropped for it by the broker. One just past the payload limit still arrives and is
+    quarantined with its size."""
+    url = sqlite_url(tmp_path / "fleet.db")
+    boot = boot_id()
+    with make_worker(broker, url) as worker:
+        assert worker.wait_ready(10)
+        pub = Publisher(broker.host, broker.port)
+        probe_until_stored(pub, opened(url), state("gw-1", boot, 0), 30)
+        received = worker.stats.received
+        pub.publish(topic(SITE, "gw-1", "telemetry"), b"{" + b" " * (4 << 20))
+        pub.publish(topic(SITE, "gw-1", "telemetry"), b"{" + b" " * MAX_PAYLOAD_BYTES)
+        pub.send(telemetry("gw-1", boot, 0))
+        pub.close()
+        wait_until(lambda: worker.stats.stored == 1, 30, "the valid message stored")
+        wait_until(lambda: worker.stats.acked == worker.stats.received, 10, "all acked")
+    assert worker.stats.received == received + 2  # the 4 MB one never came
+    assert sum(worker.stats.quarantined.values()) == 1
+
+
 def test_two_workers_share_the_stream_without_loss_or_duplicates(
     tmp_path: Path, broker: Mosquitto
 ) -> None:

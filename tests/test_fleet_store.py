@@ -318,6 +318,17 @@ def test_ping_fails_while_a_write_could_not_start(backend: Backend) -> None:
         store.close()
 
 
+def test_sqlite_commits_are_synced_before_the_ingest_acks_them(tmp_path: Path) -> None:
+    # The ingest PUBACKs after the commit returns and the broker forgets the message: a WAL
+    # commit must be on disk by then (synchronous=FULL is 2; NORMAL, 1, would not sync it).
+    store = SqliteStore(f"sqlite://{tmp_path / 'fleet.db'}")
+    try:
+        assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2
+        assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        store.close()
+
+
 def test_sqlite_url_busy_timeout_option(tmp_path: Path) -> None:
     db = tmp_path / "fleet.db"
     assert SqliteStore(f"sqlite://{db}?busy_timeout_ms=250").busy_timeout_ms == 250

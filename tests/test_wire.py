@@ -125,6 +125,27 @@ def test_bad_fields_name_where(mutate: object, reason: str, where: str) -> None:
     assert err.value.where == where
 
 
+def test_text_with_a_nul_is_refused_as_postgresql_would_fail_on_it() -> None:
+    # SQLite stores a NUL, PostgreSQL text refuses it: refused by the schema, both stores
+    # quarantine the message the same way instead of one failing the whole batch.
+    body = {
+        "device": "gw1",
+        "boot_id": "a" * 32,
+        "seq": 1,
+        "t_ns": 1,
+        "state": "online",
+        "site": "plant1",
+        "agent_version": "1.0",
+    }
+    msg = decode("state", json.dumps(body).encode())
+    assert isinstance(msg, StateMsg)
+    assert msg.agent_version == "1.0"
+    body["agent_version"] = "1.0\u0000"
+    with pytest.raises(WireError) as err:
+        decode("state", json.dumps(body).encode())
+    assert err.value.where == "$.agent_version"
+
+
 def test_bad_payloads() -> None:
     good = encode(telemetry())
     with pytest.raises(WireError, match="expected at most"):

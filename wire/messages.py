@@ -32,8 +32,11 @@ Name = Annotated[str, msgspec.Meta(pattern=_NAME_PATTERN)]
 Hex32 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")]
 Sha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
 U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-Text = Annotated[str, msgspec.Meta(max_length=1024)]
-ShortText = Annotated[str, msgspec.Meta(max_length=128)]
+# No NUL: PostgreSQL text cannot hold one (SQLite can), so the two stores would disagree
+# about the same message; refused here, both quarantine it as a schema error.
+_NO_NUL = r"^[^\x00]*$"
+Text = Annotated[str, msgspec.Meta(max_length=1024, pattern=_NO_NUL)]
+ShortText = Annotated[str, msgspec.Meta(max_length=128, pattern=_NO_NUL)]
 
 
 class WireError(ValueError):

@@ -3,8 +3,10 @@
 Several workers (threads or processes) may each open their own :class:`SqliteStore` on the
 same file. Writes take the database lock up front (``BEGIN IMMEDIATE``) so that two writers
 never both hold a read snapshot and then deadlock upgrading it; ``busy_timeout`` makes the
-second wait instead of failing. ``synchronous=NORMAL`` in WAL mode keeps the database
-consistent on power loss and may lose only the last commits, which the broker redelivers.
+second wait instead of failing. ``synchronous=FULL``: each commit is on disk when it returns,
+because the ingest acks a message to the broker right after its commit and the broker then
+forgets it (NORMAL would keep the file consistent on power loss but could lose the last
+commits, messages nobody would send again).
 
 The URL may carry ``?busy_timeout_ms=N`` (default 15000): how long a write waits for another
 writer's transaction (a CLI command, another worker, a ``sqlite3`` shell) before it fails
@@ -95,7 +97,10 @@ class SqliteStore:
                 )
                 self._db.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
                 mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-                self._db.execute("PRAGMA synchronous = NORMAL")
+                # FULL: the ingest PUBACKs a message once its commit returns, and the
+                # broker never sends it again; under NORMAL a WAL commit is not synced and
+                # a power cut could take back messages already acked.
+                self._db.execute("PRAGMA synchronous = FULL")
                 break
             except sqlite3.OperationalError as exc:
                 # Switching a new file to WAL takes an exclusive lock and does not wait on
@@ -128,12 +133,15 @@ class SqliteStore:
         db.execute("BEGIN IMMEDIATE")
         try:
             yield db
+            # Inside the try: a COMMIT that fails (I/O error, disk full) can leave the
+            # transaction open, and every later BEGIN on this connection would fail.
+            db.execute("COMMIT")
         except BaseException:
             # SQLite may already have rolled back on its own (disk full, I/O error).
             if db.in_transaction:
-                db.execute("ROLLBACK")
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
             raise
-        db.execute("COMMIT")
 
     # -- schema --------------------------------------------------------------------------
 
