@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from datetime import UTC, datetime
@@ -67,10 +68,19 @@ app.add_typer(quarantine_app, name="quarantine")
 
 _fail = fail
 _open = open_cli_store
+log = logging.getLogger(__name__)
 
 
 _UNITS_NS = {"s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9, "d": 86400 * 10**9}
 _AGO = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+
+
+def _in_range(text: str, t_ns: int) -> int:
+    # Stored times are signed 64-bit ns since 1970: anything else matches nothing, and
+    # SQLite cannot even bind it.
+    if not 0 <= t_ns < 2**63:
+        raise typer.BadParameter(f"{text!r}: before 1970 or after 2262")
+    return t_ns
 
 
 def parse_since(text: str, now_ns: int) -> int:
@@ -78,9 +88,9 @@ def parse_since(text: str, now_ns: int) -> int:
     text = text.strip()
     m = _AGO.match(text)
     if m:
-        return now_ns - int(float(m.group(1)) * _UNITS_NS[m.group(2)])
-    if text.isdigit():
-        return int(text)
+        return _in_range(text, now_ns - int(float(m.group(1)) * _UNITS_NS[m.group(2)]))
+    if text.isascii() and text.isdigit():
+        return _in_range(text, int(text))
     try:
         when = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
@@ -90,7 +100,7 @@ def parse_since(text: str, now_ns: int) -> int:
         ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
-    return int(when.timestamp()) * 10**9 + when.microsecond * 1000
+    return _in_range(text, int(when.timestamp()) * 10**9 + when.microsecond * 1000)
 
 
 def _iso(t_ns: int | None) -> str:
@@ -208,6 +218,7 @@ def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     service: threading.Thread | None = None
+    service_error: list[BaseException] = []
     if rollouts:
         from fleet.rollout.orchestrator import RolloutService, serve_rollouts  # noqa: PLC0415
 
@@ -226,9 +237,22 @@ def serve(
             tls_cert=config.tls_cert,
             tls_key=config.tls_key,
         )
-        service = threading.Thread(
-            target=serve_rollouts, args=(rcfg, stop), name="rollouts", daemon=True
-        )
+
+        def rollouts_main() -> None:
+            # A rollout service that cannot start (a port in use, the store) or dies must
+            # take `fleet serve` down with it: an ingest running on with no orchestrator
+            # looks healthy while every rollout silently stands still.
+            try:
+                serve_rollouts(rcfg, stop)
+            except BaseException as exc:  # reported by serve, below
+                service_error.append(exc)
+                if isinstance(exc, FleetError):  # ours: the message says it all
+                    log.error("rollout service failed: %s; stopping fleet serve", exc)
+                else:
+                    log.exception("rollout service failed; stopping fleet serve")
+                stop.set()
+
+        service = threading.Thread(target=rollouts_main, name="rollouts", daemon=True)
         service.start()
     try:
         stats = run(config, workers=workers, duration=duration, stop=stop)
@@ -238,6 +262,8 @@ def serve(
         stop.set()
         if service is not None:
             service.join(timeout=5)
+    if service_error:
+        _fail(f"rollout service failed: {service_error[0]}", EXIT_FAILURE)
     per_worker = [s.as_dict() for s in stats]
     if as_json:
         _print_json({"workers": per_worker})
@@ -334,7 +360,9 @@ def telemetry_tail(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new ones.")] = (
         False
     ),
-    interval: Annotated[float, typer.Option(help="Poll interval with --follow (s).")] = 1.0,
+    interval: Annotated[
+        float, typer.Option(min=0.05, max=3600, help="Poll interval with --follow (s).")
+    ] = 1.0,
     follow_for: Annotated[
         float | None, typer.Option(help="Stop following after this many seconds.")
     ] = None,
@@ -522,8 +550,13 @@ app.add_typer(bundle_app, name="bundle")
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point. A store that fails after it opened (a table gone, the
+    server down mid-command) ends the command with its one-line message, never a trace."""
+    try:
+        app()
+    except FleetError as exc:
+        typer.echo(f"fleet: {exc}", err=True)
+        sys.exit(EXIT_FAILURE)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ rest of ``fleet``: 0 ok, 1 not found, 2 bad usage, 3 store failure.
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,6 +23,8 @@ from fleet.rollout import machine as m
 from fleet.rollout.orchestrator import RolloutError, create_rollout, load, request
 from fleet.rollout.plan import TIERS, PlanError, parse_fraction, parse_selector, parse_waves
 from fleet.store import Store
+
+_GROUP = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
 rollout_app = typer.Typer(help="OTA rollouts in waves that halt themselves.", no_args_is_help=True)
 ArtifactsOpt = Annotated[
@@ -256,6 +259,9 @@ def label(
     """Set a device's rollout group and tier (canary first, critical last)."""
     if tier is not None and tier not in TIERS:
         _fail(f"--tier {tier!r}: expected one of {', '.join(TIERS)}", 2)
+    if group and not _GROUP.match(group):
+        # The selector's own rule: a group it cannot name could never be rolled out to.
+        _fail(f"--group {group!r}: expected 1-128 of A-Z a-z 0-9 _ . : - (or '' to clear)", 2)
     st = _open(store)
     try:
         if not st.set_labels(device, group=group, tier=tier):

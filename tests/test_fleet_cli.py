@@ -7,6 +7,10 @@ ingest would store them; ``fleet serve`` itself is exercised in ``test_fleet_ing
 from __future__ import annotations
 
 import json
+import os
+import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +21,7 @@ from typer.testing import CliRunner
 from fleet.cli import app, parse_since
 from fleet.cli_common import store_url
 from fleet.store import Quarantined, Row, open_store
-from tests.test_fleet_ingest import SITE, boot_id, decision, sqlite_url, state, telemetry
+from tests.test_fleet_ingest import REPO, SITE, boot_id, decision, sqlite_url, state, telemetry
 from wire import encode
 
 NOW = time.time_ns()
@@ -254,6 +258,50 @@ def test_store_url_and_since_parsing(tmp_path: Path) -> None:
     assert parse_since("12345", now) == 12345
     with pytest.raises(typer.BadParameter):
         parse_since("soon", now)
+    # Out of the stores' signed 64-bit ns, or digits int() refuses: a usage error, no trace.
+    for text in ("99999999999999999999", "9999999999999999d", "0001-01-01T00:00:00Z", "²"):
+        with pytest.raises(typer.BadParameter):
+            parse_since(text, now)
+
+
+def test_bad_since_and_interval_are_usage_errors(url: str) -> None:
+    result = runner.invoke(
+        app, ["decisions", "list", "--store", url, "--since", "99999999999999999999"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "after 2262" in result.stderr
+    args = ["telemetry", "tail", "gw-a", "--store", url, "-f", "--interval", "-1"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "--interval" in result.stderr
+
+
+def test_label_refuses_a_group_no_selector_could_name(url: str) -> None:
+    result = runner.invoke(app, ["devices", "label", "gw-a", "--group", "line 1", "--store", url])
+    assert result.exit_code == 2, result.output
+    assert "--group 'line 1'" in result.stderr
+    result = runner.invoke(app, ["devices", "label", "gw-a", "--group", "line-1", "--store", url])
+    assert result.exit_code == 0, result.output
+
+
+def test_a_store_failing_after_it_opened_is_one_line_not_a_traceback(url: str) -> None:
+    # A table gone under the CLI (a half-restored backup): the command's store call fails
+    # after open_cli_store succeeded; the entry point turns that into the store's message.
+    with sqlite3.connect(url.removeprefix("sqlite://")) as db:
+        db.execute("DROP TABLE devices")
+    done = subprocess.run(
+        [sys.executable, "-m", "fleet.cli", "devices", "list", "--store", url],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 3, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("fleet: store "), done.stderr
+    assert "no such table: devices" in done.stderr
 
 
 def test_version() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -619,6 +620,31 @@ def _serve_cmd(url: str, broker: Mosquitto, *extra: str) -> list[str]:
         "20",
         *extra,
     ]
+
+
+def test_serve_stops_with_an_error_when_its_rollout_service_cannot_run(
+    tmp_path: Path, broker: Mosquitto
+) -> None:
+    """The artifact port is taken: the rollout service cannot start, and `fleet serve`
+    must say so and exit non-zero instead of ingesting on with no orchestrator."""
+    url = sqlite_url(tmp_path / "fleet.db")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        cmd = _serve_cmd(url, broker, "--artifact-port", str(port), "--coap-port", "0")
+        cmd += ["--artifacts", str(tmp_path / "artifacts"), "--duration", "60"]
+        t0 = time.monotonic()
+        done = subprocess.run(
+            cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+        )
+    assert done.returncode == 3, done.stderr  # EXIT_FAILURE
+    assert "Traceback" not in done.stderr
+    assert time.monotonic() - t0 < 30  # not after --duration
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("fleet: rollout service failed:"), done.stderr
+    assert str(port) in last or "in use" in last, last
 
 
 def test_killed_worker_loses_nothing_after_restart(tmp_path: Path, broker: Mosquitto) -> None:
