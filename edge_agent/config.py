@@ -91,9 +91,10 @@ class RegisterSection(StrictModel):
     type: RegisterType = "uint16"
     order: WordOrder = "ABCD"
     unit: Annotated[int, Field(ge=1, le=255)] | None = None
-    scale: float = 1.0
-    offset: float = 0.0
-    deadband: Annotated[float, Field(ge=0)] = 0.0
+    # nan/inf would turn every reading of the register into nan/inf: refused by name.
+    scale: Annotated[float, Field(allow_inf_nan=False)] = 1.0
+    offset: Annotated[float, Field(allow_inf_nan=False)] = 0.0
+    deadband: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     poll_ms: PositiveMs | None = None
     bit: Annotated[int, Field(ge=0, le=15)] = 0
     bits: Annotated[int, Field(ge=1, le=16)] = 1

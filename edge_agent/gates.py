@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
+import logging
 import math
 import os
 import socket
@@ -37,6 +38,8 @@ from typing import Any, Literal
 
 from edge_agent.gcl import STAGES, GateControlList
 
+log = logging.getLogger(__name__)
+
 WaitMode = Literal["timerfd", "sleep"]
 
 #: Lateness and busy samples kept for the percentiles (per entry / per stage).
@@ -48,6 +51,9 @@ _PR_SET_TIMERSLACK = 29
 #: The fallback sleeps this much less than needed: epoll rounding makes a sleep up to 1 ms
 #: late, so waking 1.5 ms early leaves the spin to absorb the rest.
 _SLEEP_MARGIN_NS = 1_500_000
+#: How far past its expected end (monotonic) a wait may run before it counts as a wall-clock
+#: step back and returns early.
+_STEP_MARGIN_NS = 5_000_000
 
 
 class _Timespec(ctypes.Structure):
@@ -147,6 +153,11 @@ def _wake(fut: asyncio.Future[None], timer: _Timerfd) -> None:
         fut.set_result(None)
 
 
+def _release(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class PreciseWait:
     """Await absolute CLOCK_REALTIME deadlines (UNIX ns) with microsecond lateness.
 
@@ -179,10 +190,14 @@ class PreciseWait:
         lower_timer_slack()
         self.waits += 1
         now = time.time_ns()
+        # The deadline is on CLOCK_REALTIME; if the clock steps back meanwhile, it moves away
+        # by the size of the step. The monotonic clock bounds the wait to what it was when
+        # it began (plus a little): the caller then sees the clock short of the deadline.
+        mono_end = time.monotonic_ns() + max(0, deadline_ns - now) + _STEP_MARGIN_NS
         if self._timer is not None and self._timer.fd >= 0:
             wake_ns = deadline_ns - self.spin_ns
             if now < wake_ns:
-                await self._wait_fd(wake_ns)
+                await self._wait_fd(wake_ns, (wake_ns - now + _STEP_MARGIN_NS) / 1e9)
             else:
                 await asyncio.sleep(0)
         else:
@@ -191,21 +206,23 @@ class PreciseWait:
         # CPU time, not wall time: a spin the kernel preempts burns nothing meanwhile.
         cpu0 = time.thread_time_ns()
         now = time.time_ns()
-        while now < deadline_ns:
+        while now < deadline_ns and time.monotonic_ns() < mono_end:
             now = time.time_ns()
         self.spin_total_ns += time.thread_time_ns() - cpu0
         return now
 
-    async def _wait_fd(self, wake_ns: int) -> None:
+    async def _wait_fd(self, wake_ns: int, backstop_s: float) -> None:
         assert self._timer is not None
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self._timer.drain()
         self._timer.arm(wake_ns)
         loop.add_reader(self._timer.fd, _wake, fut, self._timer)
+        backstop = loop.call_later(backstop_s, _release, fut)
         try:
             await fut
         finally:
+            backstop.cancel()
             loop.remove_reader(self._timer.fd)
 
     def close(self) -> None:
@@ -257,13 +274,16 @@ class StageStats:
 class GateStats:
     """Counters of one scheduler. ``entries`` holds only the entries with a stage gate
     (the others are not waited for); ``cycles`` counts the cycles the scheduler went
-    through, missed openings included; ``spin_ns`` is CPU time spent spinning."""
+    through, missed openings included; ``spin_ns`` is CPU time spent spinning; ``clock_steps``
+    counts wall-clock steps the scheduler resynced after."""
 
     wait_mode: WaitMode
     entries: dict[str, EntryStats]
     stages: dict[str, StageStats]
     cycles: int = 0
     spin_ns: int = 0
+    #: Wall-clock steps (NTP/RTC corrections) the schedule was resynced after.
+    clock_steps: int = 0
     started_ns: int | None = None
 
     def snapshot(self, now_ns: int) -> dict[str, Any]:
@@ -272,6 +292,7 @@ class GateStats:
         wall = now_ns - self.started_ns if self.started_ns is not None else 0
         return {
             "cycles": self.cycles,
+            "clock_steps": self.clock_steps,
             "wait_mode": self.wait_mode,
             "spin_cpu_pct": round(100.0 * self.spin_ns / wall, 3) if wall > 0 else 0.0,
             "entries": {
@@ -355,7 +376,21 @@ class GateScheduler:
                 stats.started_ns = clock()
             cursor = clock()
             last_cycle: int | None = None
+            skew = cursor - time.monotonic_ns()
             while True:
+                now = clock()
+                if abs(now - cursor) > gcl.cycle_ns:
+                    # The cursor is more than a cycle from the clock: the wall clock stepped
+                    # (NTP, RTC), or the loop stalled. Walking every opening in between would
+                    # block the loop (a +1 day step is 8.6 M cycles), or, after a step back,
+                    # wait out the step with every gate shut: resync to the entry open now.
+                    cursor, last_cycle = self._resync(cursor, now, last_cycle)
+                    new_skew = now - time.monotonic_ns()
+                    if abs(new_skew - skew) > gcl.cycle_ns:
+                        self._clock_stepped(new_skew - skew)
+                    skew = new_skew
+                else:
+                    skew = now - time.monotonic_ns()
                 open_ns, close_ns, entry = gcl.next_opening(cursor)
                 # Entries tile the cycle: the next one opens when this one closes.
                 cursor = close_ns
@@ -377,6 +412,11 @@ class GateScheduler:
                 now = clock()
                 if now >= close_ns:
                     es.missed += 1
+                    continue
+                if now < open_ns:
+                    # The wait ended before the opening by the clock: it stepped back while
+                    # we waited. Look again from this opening (the top resyncs a big step).
+                    cursor = open_ns
                     continue
                 lateness = now - open_ns
                 es.openings += 1
@@ -400,6 +440,40 @@ class GateScheduler:
                     ss.busy_ns.append(t1 - t0)
                     if t1 > close_ns:
                         ss.overruns += 1
+
+    def _resync(self, cursor: int, now: int, last_cycle: int | None) -> tuple[int, int | None]:
+        """Move the cursor to the opening of the entry open at ``now``; the openings skipped
+        on the way forward (ones that closed before ``now``) are counted missed, by
+        arithmetic, not one by one. Returns the new cursor and ``last_cycle``."""
+        gcl, stats = self.gcl, self.stats
+        target, _, _ = gcl.current(now)
+        if target > cursor:
+            for entry in gcl.entries:
+                es = stats.entries.get(entry.name)
+                if es is None:
+                    continue
+                es.missed += _openings(
+                    cursor, target, gcl.base_time_ns + entry.offset_ns, gcl.cycle_ns
+                )
+            first = gcl.cycle_start(cursor)
+            if first == last_cycle:
+                first += gcl.cycle_ns  # that cycle is counted already
+            stats.cycles += max(0, (gcl.cycle_start(target) - first) // gcl.cycle_ns)
+            last_cycle = gcl.cycle_start(target) - gcl.cycle_ns  # so its entries count it
+        return target, last_cycle
+
+    def _clock_stepped(self, step_ns: int) -> None:
+        self.stats.clock_steps += 1
+        log.warning(
+            "wall clock stepped %+.3f s: gate schedule resynced to the clock (%d steps so far)",
+            step_ns / 1e9,
+            self.stats.clock_steps,
+        )
+
+
+def _openings(start_ns: int, end_ns: int, phase_ns: int, cycle_ns: int) -> int:
+    """How many of ``phase_ns + k * cycle_ns`` (any integer ``k``) lie in ``[start, end)``."""
+    return max(0, -((phase_ns - end_ns) // cycle_ns) - -((phase_ns - start_ns) // cycle_ns))
 
 
 # -- sockets ---------------------------------------------------------------------------------

@@ -109,6 +109,8 @@ class PerceptionStats:
     samples: int = 0
     unknown_signal: int = 0
     late_dropped: int = 0
+    #: Samples refused as nan/inf, or as finite but beyond float32 range (which the float32
+    #: window would hold as inf).
     non_finite: int = 0
     windows: int = 0
     windows_skipped: int = 0
@@ -126,6 +128,8 @@ _COMPACT_AT = 256
 
 #: Intervals are summed as exact integers; numpy's int64 dot is used when it cannot overflow.
 _INT64_MAX = 2**63 - 1
+#: Windows are float32: a sample beyond this magnitude would become inf in one.
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _lerp(g: int, t0: int, t1: int, v0: float, v1: float) -> float:
@@ -250,7 +254,7 @@ class Aligner:
             if len(self.stats.unknown_names) < 64:
                 self.stats.unknown_names.add(sample.signal)
             return
-        if not math.isfinite(sample.value):
+        if not abs(sample.value) <= _F32_MAX:  # also false for nan
             self.stats.non_finite += 1
             return
         if self._horizon_ns is not None and sample.t_ns <= self._horizon_ns:
@@ -272,13 +276,14 @@ class Aligner:
             return
         # The steady-state path of push(), inlined: this runs for every CAN frame.
         index, tracks, stats, horizon = self._index, self._tracks, self.stats, self._horizon_ns
-        isfinite = math.isfinite
+        lo, hi = -_F32_MAX, _F32_MAX
         accepted = 0
         try:
             for s in samples:
                 name, value, t_ns = s
                 i = index.get(name)
-                if i is None or not isfinite(value) or t_ns <= horizon:
+                # `not lo <= value <= hi`: nan, inf and beyond float32 range, as in push().
+                if i is None or not lo <= value <= hi or t_ns <= horizon:
                     self.push(s)  # counts it
                     continue
                 track = tracks[i]

@@ -327,42 +327,59 @@ class Agent:
             if self.ota is not None:
                 # Before any window is scored: finish or undo what a crash interrupted.
                 await self.ota.start()
-            async with asyncio.TaskGroup() as tg:
-                tasks = [
-                    tg.create_task(self._keep_running(src), name=f"source:{src.name}")
-                    for src in self.sources
-                ]
-                tasks.append(tg.create_task(self.scheduler.run(), name="gates"))
-                if self.memory is not None:
-                    tasks.append(tg.create_task(self.memory.run(), name="memory-maintenance"))
-                tasks.append(tg.create_task(self._log_stats(), name="stats"))
-                tasks.append(tg.create_task(self._announce_ready(), name="ready"))
-                interval = watchdog_interval_s()
-                if interval is not None:
-                    tasks.append(
-                        tg.create_task(
-                            watchdog_loop(
-                                self.notifier, self._progress, self._watched_stages(), interval
-                            ),
-                            name="watchdog",
-                        )
-                    )
+            # Two levels: the uplink outlives the other tasks, so that whatever way they end
+            # (stop, or one of them crashing and the group cancelling the rest) the drain
+            # still runs and its last windows, decisions and telemetry reach the outbox
+            # before the uplink gets its last second to flush it.
+            crashed: BaseExceptionGroup[BaseException] | None = None
+            async with asyncio.TaskGroup() as outer:
                 uplink_task = (
-                    tg.create_task(self.uplink.run(), name="uplink")
+                    outer.create_task(self.uplink.run(), name="uplink")
                     if self.uplink is not None
                     else None
                 )
-                await stop.wait()
-                self.notifier.stopping()
-                for task in tasks:
-                    task.cancel()
-                await asyncio.wait(tasks)
-                # Everything still in the agent goes through every stage and into the
-                # outbox before the uplink gets its last second to flush it.
-                self._drain()
-                if uplink_task is not None:
-                    uplink_task.cancel()
+                try:
+                    async with asyncio.TaskGroup() as tg:
+                        tasks = [
+                            tg.create_task(self._keep_running(src), name=f"source:{src.name}")
+                            for src in self.sources
+                        ]
+                        tasks.append(tg.create_task(self.scheduler.run(), name="gates"))
+                        if self.memory is not None:
+                            tasks.append(
+                                tg.create_task(self.memory.run(), name="memory-maintenance")
+                            )
+                        tasks.append(tg.create_task(self._log_stats(), name="stats"))
+                        tasks.append(tg.create_task(self._announce_ready(), name="ready"))
+                        interval = watchdog_interval_s()
+                        if interval is not None:
+                            watchdog = watchdog_loop(
+                                self.notifier, self._progress, self._watched_stages(), interval
+                            )
+                            tasks.append(tg.create_task(watchdog, name="watchdog"))
+                        await stop.wait()
+                        self.notifier.stopping()
+                        for task in tasks:
+                            task.cancel()
+                except BaseExceptionGroup as group:
+                    # A task crashed and the group cancelled the others: drain, let the
+                    # uplink flush, then raise the crash as it came (not nested in `outer`).
+                    crashed = group
+                    log.error(
+                        "agent task failed (%s); draining what was accepted before stopping",
+                        "; ".join(f"{type(e).__name__}: {e}" for e in group.exceptions),
+                    )
+                finally:
+                    try:
+                        self._drain()
+                    except Exception:
+                        # A crash already on its way out must not be masked by the drain's.
+                        log.exception("the shutdown drain failed")
+                    if uplink_task is not None:
+                        uplink_task.cancel()
             self._log_line(final=True)
+            if crashed is not None:
+                raise crashed
         return self.report
 
     # -- readiness and liveness -------------------------------------------------------------

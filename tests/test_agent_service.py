@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from drivers.sim.server import PlantSimulator
 from edge_agent.config import AgentConfig, parse_config
+from edge_agent.sdnotify import Notifier
 from edge_agent.service import Agent
 from models import LoadedModel, ModelManifest
 from tests.test_service import example_text, free_port
@@ -359,3 +360,57 @@ def test_health_api_on_a_running_agent() -> None:
     count = [s.value for s in e2e.samples if s.name.endswith("_count")]
     assert count
     assert count[0] >= 3
+
+
+# -- a task crashing still drains what the agent accepted ---------------------------------------
+
+
+class NotifierBreaking(Notifier):
+    """systemd's notifier (disabled) whose watchdog ping raises once ``after_s`` passed: a
+    stand-in for any agent task crashing, the TaskGroup then cancelling all the others."""
+
+    def __init__(self, after_s: float) -> None:
+        super().__init__(None)
+        self.at = time.monotonic() + after_s
+
+    def watchdog(self) -> bool:
+        if time.monotonic() >= self.at:
+            raise RuntimeError("watchdog task broken on purpose")
+        return super().watchdog()
+
+
+def test_a_crashing_task_still_drains_into_the_outbox(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port, channel = free_port(), f"svc-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("WATCHDOG_USEC", "400000")  # the watchdog task runs every 0.2 s
+    # The uplink on (no broker: everything stays in the outbox) with a period that never
+    # closes while the test runs: only the shutdown drain can write telemetry.
+    text = example_text().replace("port = 15020", f"port = {port}")
+    text = text.replace('channel = "edgefleet-demo"', f'channel = "{channel}"')
+    text = text.replace("# hop = 64 ", "hop = 8 #")
+    text = text.replace("enabled = false                # the demo runs", "enabled = true #")
+    text = text.replace("port = 1883", f"port = {free_port()}")
+    text = text.replace("telemetry_period_ms = 1000 ", "telemetry_period_ms = 600000 ")
+    cfg = parse_config(text, base_dir=ROOT / "examples")
+    assert cfg.uplink.enabled
+    agent = Agent(cfg, notifier=NotifierBreaking(after_s=2.0))
+    assert agent.uplink is not None
+    outbox = agent.uplink.outbox.path
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        async with PlantSimulator(seed=3, modbus_port=port, can_channel=channel):
+            asyncio.get_running_loop().call_later(10.0, stop.set)
+            with pytest.RaisesGroup(RuntimeError):
+                await agent.run(stop)
+            assert not stop.is_set(), "the crash, not the stop, ended the run"
+
+    asyncio.run(main())
+    assert agent.report.windows >= 3
+    assert agent.report.decisions == agent.report.windows
+    with sqlite3.connect(outbox) as con:
+        kinds = dict(con.execute("SELECT kind, count(*) FROM outbox GROUP BY kind").fetchall())
+    # The open telemetry period and every decision reached the outbox on the way down.
+    assert kinds.get("telemetry") == 1, kinds
+    assert kinds.get("decision") == agent.report.decisions, kinds

@@ -352,6 +352,21 @@ BAD += [
         "got 'temperature'",
     ),
     (
+        "register scale not finite",
+        replace("scale = 0.1", "scale = nan"),
+        "sources.modbus[0].registers[0].scale: expected a finite number; got nan",
+    ),
+    (
+        "register offset infinite",
+        replace('order = "CDAB"', 'order = "CDAB"\noffset = -inf'),
+        "sources.modbus[0].registers[0].offset: expected a finite number; got -inf",
+    ),
+    (
+        "register deadband infinite",
+        replace('order = "CDAB"', 'order = "CDAB"\ndeadband = inf'),
+        "sources.modbus[0].registers[0].deadband: expected a finite number; got inf",
+    ),
+    (
         "rule value as a string",
         rule("value = 4.0", 'value = "4"'),
         "reasoning.rules[0].value: expected a valid number; got '4'",

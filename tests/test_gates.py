@@ -217,6 +217,47 @@ def test_a_stalled_loop_misses_openings_and_does_not_run_them_late() -> None:
     assert after[0][1] - stall_end < 4 * MS
 
 
+@pytest.mark.parametrize("step_s", [-5, 86_400])
+def test_a_wall_clock_step_resyncs_the_schedule(step_s: int) -> None:
+    gcl = three_windows()
+    shift = [0]
+
+    def clock() -> int:
+        return time.time_ns() + shift[0]
+
+    calls: list[Call] = []
+    sched = GateScheduler(gcl, recorder(calls, clock), clock_ns=clock)
+    marks: list[int] = []
+    lags: list[float] = []
+
+    async def step_then_watch() -> None:
+        await asyncio.sleep(0.2)
+        missed_before = sum(e.missed for e in sched.stats.entries.values())
+        marks.append(missed_before)
+        shift[0] += step_s * 1_000_000_000  # NTP/RTC steps the wall clock
+        marks.append(len(calls))
+        for _ in range(20):  # how long the loop is kept from other tasks
+            t0 = time.monotonic()
+            await asyncio.sleep(0.02)
+            lags.append(time.monotonic() - t0 - 0.02)
+
+    asyncio.run(run_for(sched, 0.0, during=step_then_watch))
+    missed_before, calls_at_step = marks
+    after = calls[calls_at_step:]
+    # The gates keep opening on the new clock: ~40 cycles x 3 stages in the 0.4 s after.
+    assert len(after) >= 45, (len(after), sched.snapshot())
+    assert_inside_windows(gcl, calls)
+    assert max(lags) < 0.25, f"the loop was blocked {max(lags):.3f} s"
+    assert sched.stats.clock_steps == 1
+    missed = sum(e.missed for e in sched.stats.entries.values()) - missed_before
+    if step_s > 0:
+        # A day of openings skipped, counted without walking them: 3 entries x 8.64 M cycles.
+        assert 3 * 8_640_000 - 10 <= missed <= 3 * 8_640_000 + 10, missed
+        assert sched.stats.cycles >= 8_640_000
+    else:
+        assert missed <= 3, missed
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_lateness_stays_far_below_a_millisecond_sleep(loop: str) -> None:
     # Up to three 1 s runs, for passing noise. A scheduler that waits with plain asyncio

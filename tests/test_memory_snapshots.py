@@ -9,16 +9,27 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from edge_agent.memory import SnapshotChecksumError, SnapshotError
+from edge_agent.memory import MemoryStage, SnapshotChecksumError, SnapshotError
 from edge_agent.memory.cli import memory_app
 from edge_agent.memory.snapshots import (
     MANIFEST_FORMAT,
     list_snapshots,
+    prune,
     restore_snapshot,
     take_snapshot,
     verify_snapshot,
 )
-from tests.memory_support import POINTS, T0, S, count, feed, random_walk, run, stage
+from tests.memory_support import (
+    POINTS,
+    T0,
+    S,
+    config,
+    count,
+    feed,
+    random_walk,
+    run,
+    stage,
+)
 
 SIG = ("a", "b")
 SPAN = POINTS * 10_000_000
@@ -201,3 +212,49 @@ def test_run_takes_periodic_snapshots(tmp_path: Path) -> None:
 def test_take_snapshot_without_a_store_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(SnapshotError, match="no memory store"):
         take_snapshot(tmp_path / "none.db", tmp_path / "snaps", keep=1, now_ns=T0)
+
+
+def test_an_unusable_snapshot_dir_or_a_failing_prune_is_a_snapshot_error(tmp_path: Path) -> None:
+    clock = [T0]
+
+    async def main() -> None:
+        st = stage(tmp_path, SIG, clock=clock)
+        async with st:
+            feed(st, random_walk(np.random.default_rng(4), 2, 2), SIG)
+            assert await st.flush()
+
+    run(main())
+    db = tmp_path / "memory.db"
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("x")
+    with pytest.raises(SnapshotError, match="not usable"):
+        take_snapshot(db, blocked, keep=1, now_ns=T0)
+    # A leftover that cannot be unlinked (a directory named like a snapshot file).
+    snaps = tmp_path / "snaps"
+    (snaps / "memory-leftover.db").mkdir(parents=True)
+    with pytest.raises(SnapshotError, match="pruning"):
+        prune(snaps, 1)
+    with pytest.raises(SnapshotError, match="was written, but pruning"):
+        take_snapshot(db, snaps, keep=1, now_ns=T0)
+
+
+def test_run_survives_failing_snapshots_and_counts_them(tmp_path: Path) -> None:
+    snaps = tmp_path / "snaps"
+    snaps.write_text("a stray file where the snapshot directory should be")
+
+    async def main() -> None:
+        st = MemoryStage(
+            config(snapshot_interval_s=0.2), SIG, state_dir=tmp_path, snapshot_dir=snaps
+        )
+        async with st:
+            feed(st, random_walk(np.random.default_rng(2), 3, 2), SIG)
+            task = asyncio.create_task(st.run(), name="memory")
+            await asyncio.sleep(0.9)
+            assert not task.done(), "a failing snapshot must not end the maintenance task"
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert st.stats()["snapshots"]["failures"] >= 2
+            assert st.stats()["snapshots"]["taken"] == 0
+
+    run(main())

@@ -156,6 +156,30 @@ def test_unknown_and_non_finite_samples_are_counted() -> None:
     assert al.advance(T0 + 10_000 * MS) == []  # nothing seen: no grid yet
 
 
+def test_values_beyond_float32_range_are_refused_not_made_inf() -> None:
+    f32_max = float(np.finfo(np.float32).max)
+    al = Aligner(spec(signals=("a",), lateness_ms=0.0))
+    # push() (no window out yet) and push_many()'s steady-state path (after the first one).
+    al.push(Sample("a", 1e39, T0))
+    al.push(Sample("a", 1.0, T0))
+    first = al.advance(T0 + 40 * MS)
+    assert len(first) == 1
+    al.push_many(
+        [
+            Sample("a", 2.0, T0 + 40 * MS),
+            Sample("a", -1e39, T0 + 50 * MS),
+            Sample("a", f32_max, T0 + 60 * MS),
+            Sample("a", 3.0, T0 + 70 * MS),
+        ]
+    )
+    (w,) = al.advance(T0 + 80 * MS)
+    assert al.stats.non_finite == 2
+    assert al.stats.samples == 4
+    assert first[0].values.ravel().tolist() == [1.0] * 4
+    assert w.values.ravel().tolist() == [2.0, 2.0, f32_max, 3.0]
+    assert np.isfinite(w.values).all()
+
+
 def test_grid_is_anchored_to_multiples_of_the_period() -> None:
     al = Aligner(spec())
     al.push(Sample("a", 1.0, T0 + 3 * MS))

@@ -95,6 +95,25 @@ def test_decisions_kept_past_max_bytes_until_the_hard_cap(tmp_path: Path) -> Non
     assert ob.stats()["bytes"] == 15_000
 
 
+def test_message_over_its_own_cap_is_refused_and_the_backlog_kept(tmp_path: Path) -> None:
+    ob = _outbox(tmp_path / "o.db", max_bytes=10_000, reserve=5_000)
+    for i in range(5):
+        assert ob.put("telemetry", T, b"t" * (1000 - len(T)), i)
+    for i in range(5, 8):
+        assert ob.put("decision", D, b"d" * (1000 - len(D)), i)
+    before = [(r.kind, r.seq) for r in ob.peek(0, 100)]
+    # Telemetry bigger than max_bytes (fits the hard cap), a decision bigger than the hard cap.
+    assert not ob.put("telemetry", T, b"z" * 12_000, 8)
+    assert not ob.put("decision", D, b"w" * 16_000, 9)
+    assert [(r.kind, r.seq) for r in ob.peek(0, 100)] == before
+    assert ob.stats()["dropped"] == {"telemetry": 1, "decision": 1}
+    assert ob.stats()["rows"] == 8
+    assert ob.stats()["bytes"] == 8_000
+    # A decision over max_bytes but within the hard cap is still kept (telemetry goes first).
+    assert ob.put("decision", D, b"d" * (12_000 - len(D)), 10)
+    assert [r.seq for r in ob.peek(0, 100)] == [5, 6, 7, 10]
+
+
 def test_newer_schema_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "o.db"
     conn = sqlite3.connect(path)
@@ -217,3 +236,20 @@ def test_bad_messages_are_dropped_and_counted_without_a_seq_gap(tmp_path: Path) 
     assert rows[0].topic == "edgefleet/v1/plant1/press-7/ota/status"
     assert up.stats()["invalid"] == {"ota/status": 3, "decision": 1}
     up.outbox.close()
+
+
+def test_a_corrupt_outbox_is_moved_aside_and_started_empty(tmp_path: Path) -> None:
+    path = tmp_path / "o.db"
+    path.write_bytes(b"this is not an SQLite database, " * 256)
+    ob = _outbox(path)
+    assert len(ob) == 0
+    assert ob.stats()["corrupt_recoveries"] == 1
+    aside = ob.corrupt_moved_to
+    assert aside is not None
+    assert aside.name.startswith("o.db.corrupt-")
+    assert aside.read_bytes().startswith(b"this is not an SQLite database")
+    assert ob.put("decision", D, b"x", 0)
+    ob.close()
+    again = _outbox(path)  # the fresh file is good: nothing more moved
+    assert again.stats()["corrupt_recoveries"] == 0
+    assert [r.seq for r in again.peek(0, 10)] == [0]

@@ -110,15 +110,18 @@ def take_snapshot(db: Path, snapshot_dir: Path, *, keep: int, now_ns: int) -> Sn
     """
     if not db.exists():
         raise SnapshotError(f"no memory store at {db}")
-    snapshot_dir.mkdir(parents=True, exist_ok=True)
     name = _PREFIX + utc_stamp(now_ns)
-    n = 1
-    while (snapshot_dir / f"{name}.json").exists() or (snapshot_dir / f"{name}.db").exists():
-        n += 1
-        name = f"{_PREFIX}{utc_stamp(now_ns)}-{n}"
-    final = snapshot_dir / f"{name}.db"
-    tmp = snapshot_dir / f".tmp-{name}.db"
-    tmp.unlink(missing_ok=True)
+    try:
+        snapshot_dir.mkdir(parents=True, exist_ok=True)
+        n = 1
+        while (snapshot_dir / f"{name}.json").exists() or (snapshot_dir / f"{name}.db").exists():
+            n += 1
+            name = f"{_PREFIX}{utc_stamp(now_ns)}-{n}"
+        final = snapshot_dir / f"{name}.db"
+        tmp = snapshot_dir / f".tmp-{name}.db"
+        tmp.unlink(missing_ok=True)
+    except OSError as exc:
+        raise SnapshotError(f"snapshot directory {snapshot_dir} is not usable: {exc}") from exc
     try:
         src = sqlite3.connect(db, isolation_level=None, timeout=5.0)
         try:
@@ -166,7 +169,10 @@ def take_snapshot(db: Path, snapshot_dir: Path, *, keep: int, now_ns: int) -> Sn
     except OSError as exc:
         final.unlink(missing_ok=True)
         raise SnapshotError(f"cannot write snapshot manifest {info.manifest}: {exc}") from exc
-    prune(snapshot_dir, keep)
+    try:
+        prune(snapshot_dir, keep)
+    except SnapshotError as exc:
+        raise SnapshotError(f"snapshot {name} was written, but {exc}") from exc
     return info
 
 
@@ -181,7 +187,17 @@ def _describe(conn: sqlite3.Connection) -> tuple[dict[str, int], int | None, int
 
 
 def prune(snapshot_dir: Path, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` snapshots, and leftovers of interrupted ones."""
+    """Delete all but the newest ``keep`` snapshots, and leftovers of interrupted ones.
+
+    Raises :class:`SnapshotError` when the directory cannot be read or a file not removed.
+    """
+    try:
+        return _prune(snapshot_dir, keep)
+    except OSError as exc:
+        raise SnapshotError(f"pruning snapshots in {snapshot_dir} failed: {exc}") from exc
+
+
+def _prune(snapshot_dir: Path, keep: int) -> list[str]:
     removed: list[str] = []
     snaps = list_snapshots(snapshot_dir)
     for info in snaps[keep:]:

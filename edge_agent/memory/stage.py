@@ -57,7 +57,7 @@ from edge_agent.memory.aging import AgingPolicy
 from edge_agent.memory.baselines import Baselines
 from edge_agent.memory.config import MemorySection
 from edge_agent.memory.delta import DeltaEncoder
-from edge_agent.memory.errors import MemoryStoreError
+from edge_agent.memory.errors import MemoryStoreError, SnapshotError
 from edge_agent.memory.ring import Decision, JsonRecord, WorkingMemory
 from edge_agent.memory.snapshots import (
     Recovery,
@@ -228,7 +228,11 @@ class MemoryStage:
                 self.db_path, self.snapshot_dir, now_ns=self._clock_ns()
             )
             if self.snapshot_dir.is_dir():
-                prune(self.snapshot_dir, cfg.snapshot_keep)
+                try:
+                    prune(self.snapshot_dir, cfg.snapshot_keep)
+                except SnapshotError as exc:
+                    # Old snapshots left over are no reason not to start.
+                    log.error("memory snapshots: %s", exc)
             conn = connect(self.db_path, journal_size_limit=cfg.journal_size_limit_bytes)
             try:
                 migrate(conn)
@@ -363,11 +367,16 @@ class MemoryStage:
             if time.monotonic() >= next_snapshot:
                 next_snapshot = time.monotonic() + interval
                 if writer is not None and writer.alive:
+                    # A failing snapshot is logged and counted, never fatal: this task runs
+                    # in the agent's TaskGroup, and an exception here would stop the agent.
                     try:
                         await self.snapshot()
                     except MemoryStoreError as exc:
                         self._stats.snapshot_failures += 1
                         log.error("memory snapshot failed: %s", exc)
+                    except Exception:
+                        self._stats.snapshot_failures += 1
+                        log.exception("memory snapshot failed unexpectedly")
 
     # -- snapshots and restore -----------------------------------------------------------------
 

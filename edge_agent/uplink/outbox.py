@@ -15,7 +15,13 @@ Size policy (``bytes`` = payload + topic length):
 * while the total is over ``max_bytes``, telemetry rows are deleted oldest-first (the newest
   telemetry says more about the plant than the oldest);
 * decisions and OTA status rows are kept beyond ``max_bytes``, up to the hard cap
-  ``max_bytes + reserve_bytes``; over that, the oldest rows of any kind go.
+  ``max_bytes + reserve_bytes``; over that, the oldest rows of any kind go;
+* a message bigger than its own cap (``max_bytes`` for telemetry, the hard cap for the
+  rest) is refused before it is stored, and the backlog is left alone.
+
+A file SQLite says is not a database (or malformed) at start is moved aside to
+``<name>.corrupt-<stamp>`` (with its -wal/-shm), logged at ERROR and counted
+(``corrupt_recoveries``), and the outbox starts empty, as the memory store does.
 
 Every drop is counted per kind (:meth:`Outbox.stats`). Rows are sent in ``id`` order, which
 keeps the order per topic (and across topics) as produced.
@@ -24,6 +30,7 @@ keeps the order per topic (and across topics) as produced.
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import time
 import uuid
@@ -31,6 +38,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
+from edge_agent.memory._fs import fsync_dir, sidecars, utc_stamp
 from edge_agent.uplink.errors import OutboxError
 
 log = logging.getLogger(__name__)
@@ -97,26 +105,65 @@ class Outbox:
         self.dropped: dict[str, int] = {}
         self.put_errors = 0
         self.last_error: str | None = None
+        #: Where a corrupt outbox found at start was moved (it was then started empty).
+        self.corrupt_moved_to: Path | None = None
+        self.corrupt_recoveries = 0
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            # check_same_thread=False: the uplink closes it from a worker thread at exit.
-            self._conn = sqlite3.connect(
-                self.path, isolation_level=None, timeout=_BUSY_TIMEOUT_S, check_same_thread=False
-            )
-            mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise OutboxError(f"{self.path}: cannot switch to WAL (journal_mode={mode})")
-            self._conn.execute("PRAGMA synchronous=NORMAL")
-            self._conn.execute("PRAGMA journal_size_limit=4194304")
-            self._migrate()
-            row = self._conn.execute(
-                "SELECT COUNT(*), COALESCE(SUM(bytes), 0), "
-                "COALESCE(SUM(CASE WHEN kind = ? THEN bytes ELSE 0 END), 0) FROM outbox",
-                (DROPPABLE,),
-            ).fetchone()
+            try:
+                row = self._open()
+            except sqlite3.OperationalError:
+                raise  # locked, I/O, permissions: not the file's content; leave it be
+            except sqlite3.DatabaseError as exc:
+                # "file is not a database", "database disk image is malformed": as the
+                # memory store does, keep the file aside for a post-mortem and start empty
+                # (its undelivered rows are lost, which the fleet sees as a seq gap).
+                conn = getattr(self, "_conn", None)
+                if conn is not None:
+                    conn.close()
+                self.corrupt_moved_to = self._move_aside(exc)
+                self.corrupt_recoveries += 1
+                row = self._open()
         except sqlite3.Error as exc:
             raise OutboxError(f"{self.path}: cannot open the outbox: {exc}") from exc
+        except OSError as exc:
+            raise OutboxError(f"{self.path}: cannot open the outbox: {exc}") from exc
         self._rows, self._bytes, self._droppable_bytes = int(row[0]), int(row[1]), int(row[2])
+
+    def _open(self) -> tuple[int, int, int]:
+        # check_same_thread=False: the uplink closes it from a worker thread at exit.
+        self._conn = sqlite3.connect(
+            self.path, isolation_level=None, timeout=_BUSY_TIMEOUT_S, check_same_thread=False
+        )
+        mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise OutboxError(f"{self.path}: cannot switch to WAL (journal_mode={mode})")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.execute("PRAGMA journal_size_limit=4194304")
+        self._migrate()
+        row = self._conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(bytes), 0), "
+            "COALESCE(SUM(CASE WHEN kind = ? THEN bytes ELSE 0 END), 0) FROM outbox",
+            (DROPPABLE,),
+        ).fetchone()
+        return int(row[0]), int(row[1]), int(row[2])
+
+    def _move_aside(self, problem: Exception) -> Path:
+        """``outbox.db`` -> ``outbox.db.corrupt-<stamp>`` with its -wal/-shm; fsync the dir."""
+        stamp = utc_stamp(self._clock_ns())
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        os.replace(self.path, aside)
+        for side in sidecars(self.path):
+            if side.exists():
+                os.replace(side, side.with_name(f"{side.name}.corrupt-{stamp}"))
+        fsync_dir(self.path.parent)
+        log.error(
+            "uplink outbox %s is corrupt (%s); moved aside to %s, starting empty",
+            self.path,
+            problem,
+            aside,
+        )
+        return aside
 
     def _migrate(self) -> None:
         found = int(self._conn.execute("PRAGMA user_version").fetchone()[0])
@@ -143,8 +190,26 @@ class Outbox:
     # -- writing ----------------------------------------------------------------------------
 
     def put(self, kind: str, topic: str, payload: bytes, seq: int) -> bool:
-        """Store one message of this boot; ``False`` if it was dropped (cap or I/O error)."""
+        """Store one message of this boot; ``False`` if it was dropped (cap or I/O error).
+
+        A message bigger than its own cap (``max_bytes`` for telemetry, the hard cap for the
+        other kinds) could never be kept: it is refused before the insert, so it cannot trim
+        the backlog away on its way out.
+        """
         size = len(payload) + len(topic)
+        cap = self.max_bytes if kind == DROPPABLE else self.hard_cap
+        if size > cap:
+            self.dropped[kind] = self.dropped.get(kind, 0) + 1
+            self.last_error = f"outbox put: a {kind} message of {size} bytes is over its cap"
+            log.error(
+                "uplink outbox %s: dropped a %s message of %d bytes: over its cap of %d bytes"
+                " (backlog left alone)",
+                self.path,
+                kind,
+                size,
+                cap,
+            )
+            return False
         try:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
@@ -294,6 +359,8 @@ class Outbox:
             "dropped": dict(self.dropped),
             "put_errors": self.put_errors,
             "last_error": self.last_error,
+            "corrupt_recoveries": self.corrupt_recoveries,
+            "corrupt_moved_to": str(self.corrupt_moved_to) if self.corrupt_moved_to else None,
         }
 
     def close(self) -> None:

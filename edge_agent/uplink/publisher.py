@@ -252,6 +252,8 @@ class Uplink:
             "rejected": dict(self.rejected),
             "no_subscribers": self.no_subscribers,
             "outbox_errors": ob["put_errors"],
+            # 1 when the outbox was found corrupt at start, moved aside and started empty.
+            "outbox_corrupt_recoveries": ob["corrupt_recoveries"],
             "connect_attempts": self.connect_attempts,
             "connects": self.connects,
             "reconnects": max(0, self.connects - 1),
@@ -504,7 +506,11 @@ class Uplink:
         self.connects += 1
         self._connected = True
         self._inflight.clear()
-        self._acks.clear()
+        if self._acks:
+            # Rows the broker acked just before the last connection went: delete them now,
+            # or they would all be sent again (duplicates for the fleet to drop).
+            acks, self._acks = self._acks, []
+            self.outbox.ack(acks)
         self._cursor = 0
         log.info(
             "uplink: connected to %s:%s as %r (boot %s, backlog %d)",
