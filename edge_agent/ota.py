@@ -3,9 +3,10 @@
 The updater (:mod:`ota.updater`) decides; this module does what only the agent can:
 
 - **model** bundles: the payloads are materialised as a model directory under
-  ``state_dir/ota/models/<sha>/`` and swapped in through :meth:`Agent.reload_model`
-  (load and check in a thread, one assignment between two windows: no window missed);
-  the replaced model stays in memory, so a rollback is one more swap, not a reload;
+  ``state_dir/ota/models/<tflite sha>-<model.json sha>/`` (prefixes of both) and swapped
+  in through :meth:`Agent.reload_model` (load and check in a thread, one assignment
+  between two windows: no window missed); the replaced model stays in memory, so a
+  rollback is one more swap, not a reload;
 - **config** bundles: the new ``agent.toml`` is validated as a whole; its ``[reasoning]``
   rules and thresholds are swapped in between two windows (re-preparing the serving model
   with the new rules). A config that changes anything else (sources, perception, ...)
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import json
 import logging
 import os
@@ -63,6 +65,11 @@ OBSERVED = 4096
 
 def ota_dir(state_dir: Path) -> Path:
     return state_dir / "ota"
+
+
+def _model_dir_name(tflite_sha: str, meta_sha: str) -> str:
+    """``<tflite sha[:16]>-<model.json sha[:16]>``: what :meth:`AgentOta._prune` parses."""
+    return f"{tflite_sha[:16]}-{meta_sha[:16]}"
 
 
 class AgentOta:
@@ -162,9 +169,15 @@ class AgentOta:
     # -- Activator ---------------------------------------------------------------------------
 
     def _materialise_model(self, inst: Installed, store: ContentStore) -> Path:
+        """The model directory of ``inst`` under ``ota/models``, written if not there yet.
+
+        The directory is named by both payloads' shas: a bundle that changes only
+        ``model.json`` (thresholds, labels) gets its own directory, never the old
+        manifest. ``manifest.json`` is written last, so its presence means complete.
+        """
         tflite = inst.payloads["model.tflite"]
         meta = inst.payloads["model.json"]
-        where = self.dir / "models" / tflite[:16]
+        where = self.dir / "models" / _model_dir_name(tflite, meta)
         manifest = where / "manifest.json"
         if manifest.is_file():
             return where
@@ -417,7 +430,7 @@ class AgentOta:
         if models.is_dir():
             prefixes = {s[:16] for s in keep}
             for d in models.iterdir():
-                if d.is_dir() and d.name not in prefixes:
+                if d.is_dir() and not set(d.name.split("-")) <= prefixes:
                     shutil.rmtree(d, ignore_errors=True)
 
     def flush_reports(self) -> None:
@@ -474,10 +487,9 @@ class AgentOta:
         if cmd.action == "rollback" or cmd.url is None:
             coro = self.updater.rollback(cmd.kind or "model", bundle_id=cmd.bundle_id)
         else:
-            coro = self.updater.install_url(
-                cmd.url, length=cmd.length, bundle_id=cmd.bundle_id,
-                incoming_name=f"{cmd.bundle_id}.efb",
-            )  # fmt: skip
+            # The download is named by its URL (see Updater.install_url), not bundle_id:
+            # a re-signed bundle under the same id never resumes the other's .part.
+            coro = self.updater.install_url(cmd.url, length=cmd.length, bundle_id=cmd.bundle_id)
         task = asyncio.get_running_loop().create_task(coro, name=f"ota:{cmd.bundle_id}")
         task.add_done_callback(functools.partial(self._finished, cmd.bundle_id))
         self._task = task
@@ -553,6 +565,26 @@ def _quantile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _health_url(host: str, port: int) -> str:
+    """The agent's own health URL for the API bound on ``host``.
+
+    A wildcard bind is probed on loopback of the same family (asyncio binds ``::`` v6
+    only); an IPv6 literal is bracketed (``http://[::1]:8080``); names stay as they are.
+    """
+    host = host.strip("[]")
+    if host in ("0.0.0.0", ""):  # noqa: S104 - the bind address, probed on loopback
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    try:
+        literal = ipaddress.ip_address(host)
+    except ValueError:
+        literal = None
+    if isinstance(literal, ipaddress.IPv6Address):
+        host = f"[{host}]"
+    return f"http://{host}:{port}/v1/health"
+
+
 async def _post_health(host: str, port: int, body: dict[str, Any]) -> bool:
     import aiohttp  # noqa: PLC0415 - as in edge_agent.api: only when the API is used
 
@@ -560,7 +592,7 @@ async def _post_health(host: str, port: int, body: dict[str, Any]) -> bool:
         async with (
             aiohttp.ClientSession() as session,
             session.post(
-                f"http://{host}:{port}/v1/health",
+                _health_url(host, port),
                 json=body,
                 timeout=aiohttp.ClientTimeout(total=1.0),
             ) as resp,

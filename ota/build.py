@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from ota import keys as _keys
 from ota.canonical import canonical
 from ota.efb import write_bundle
+from ota.manifest import KIND_PERMISSION
 from ota.timefmt import format_utc
 
 
@@ -128,8 +129,8 @@ def write(
 
 
 def default_permissions(kind: str) -> list[str]:
-    """The permission a bundle of ``kind`` needs by default."""
-    return {"model": ["model:swap"], "config": ["config:write"], "agent": ["agent:replace"]}[kind]
+    """The permission a bundle of ``kind`` needs (the device requires it even if unlisted)."""
+    return [KIND_PERMISSION[kind]]
 
 
 def model_bundle_payloads(model_dir: Path) -> list[tuple[str, bytes]]:

@@ -8,7 +8,8 @@
      │    ├── SignatureInvalid   signatures missing, malformed, unknown keys, threshold unmet
      │    ├── BundleExpired      the manifest's ``expires`` has passed
      │    ├── Incompatible       device type or agent version outside ``compat``
-     │    ├── PermissionDenied   ``required_permissions`` not granted by the device policy
+     │    ├── PermissionDenied   the kind's permission or a ``required_permissions`` entry
+     │    │                      is not granted by the device policy
      │    ├── RollbackRejected   ``counter`` below the committed floor of its kind
      │    │    └── AlreadyInstalled  ``counter`` equal to the floor: nothing to do
      │    └── PayloadMismatch    a payload's length or sha256 (or its delta result) differs

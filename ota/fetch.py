@@ -8,8 +8,9 @@ jittered backoff, the durable rename, and the mapping of every aiohttp / aiocoap
 to :class:`~ota.errors.FetchError` with a message that names the URL (credentials and query
 removed) and the offset.
 
-Bundles are content-addressed (the URL names the sha256), so a resumed transfer can never
-splice two versions of a file together; the verifier checks length and sha256 anyway.
+Bundles are content-addressed (the URL names the sha256) and the updater names each
+download by a hash of its URL and length (:func:`ota.updater.download_name`), so a resumed
+transfer can never splice two files together; the verifier checks length and sha256 anyway.
 
 CoAP: aiocoap's automatic Block2 reassembly copies the growing body for every block
 (quadratic) and sends one request at a time. Here each block is requested explicitly, as a

@@ -123,6 +123,9 @@ class Update:
     baseline_p50_us: float | None = None
     baseline_p99_us: float | None = None
     baseline_rss: int | None = None
+    #: the rollback target did not come back: ``replaced`` is what serves instead (None:
+    #: the factory version); a manual rollback records that, not its kept version
+    fell_back: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -141,6 +144,7 @@ class Update:
             "baseline_p50_us": self.baseline_p50_us,
             "baseline_p99_us": self.baseline_p99_us,
             "baseline_rss": self.baseline_rss,
+            "fell_back": self.fell_back,
         }
 
     @classmethod
@@ -161,6 +165,7 @@ class Update:
             baseline_p50_us=_opt_float(d.get("baseline_p50_us")),
             baseline_p99_us=_opt_float(d.get("baseline_p99_us")),
             baseline_rss=_opt_int(d.get("baseline_rss")),
+            fell_back=d.get("fell_back") is True,
         )
 
 
@@ -340,6 +345,14 @@ def step(
                 active[kind] = up.replaced
             else:
                 active.pop(kind, None)
+        elif up.fell_back:
+            # A manual rollback whose kept version did not come back: record what the
+            # fallback left serving (``replaced``; None is the factory version). The kept
+            # list stays as it was: nothing new was installed or removed.
+            if up.replaced is not None:
+                active[up.kind] = up.replaced
+            else:
+                active.pop(up.kind, None)
         else:
             back = kept.get(up.kind, ())
             if back:

@@ -24,6 +24,13 @@ from ota.timefmt import parse_utc
 
 Kind = Literal["model", "config", "agent"]
 KINDS: tuple[Kind, ...] = ("model", "config", "agent")
+#: The permission a bundle of each kind needs, whatever its ``required_permissions`` say:
+#: the signed list may add permissions, never drop this one.
+KIND_PERMISSION: dict[str, str] = {
+    "model": "model:swap",
+    "config": "config:write",
+    "agent": "agent:replace",
+}
 
 #: Per payload and in total; an agent wheel with its dependencies stays far below.
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024

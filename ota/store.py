@@ -201,8 +201,10 @@ class ContentStore:
                 break
         return dest
 
-    def gc(self, keep: set[str]) -> list[str]:
-        """Remove payloads not in ``keep`` and bundles no kept payload points into."""
+    def gc(self, keep: set[str], *, in_flight: Iterable[str] = ()) -> list[str]:
+        """Remove payloads not in ``keep``, bundles no kept payload points into, and every
+        file in ``incoming/`` but those named in ``in_flight`` (the update being fetched:
+        its ``.part``). A ``.part`` of an abandoned offer would otherwise stay forever."""
         removed: list[str] = []
         live_bundles: set[str] = set()
         for sha in keep:
@@ -221,8 +223,8 @@ class ContentStore:
                 if entry.name not in live_bundles:
                     entry.unlink(missing_ok=True)
         if self.incoming.is_dir():
+            spare = set(in_flight)
             for entry in self.incoming.iterdir():
-                # A .part is a fetch that may still resume.
-                if entry.is_file() and not entry.name.endswith(".part"):
+                if entry.is_file() and entry.name not in spare:
                     entry.unlink(missing_ok=True)
         return removed

@@ -11,6 +11,7 @@ the agent publishes it on ``.../ota/status``; crash tests kill the process there
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -20,7 +21,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ota import journal as _journal
-from ota.errors import ActivationError, FetchError, OtaError, TrustError
+from ota.errors import ActivationError, FetchError, MalformedBundle, OtaError, TrustError
+from ota.fetch import redact_url
 from ota.fsutil import atomic_write
 from ota.machine import Event, Installed, Journal, Update, recover, step
 from ota.manifest import Probation
@@ -208,30 +210,52 @@ class Updater:
             return await self._guarded(self._verify_and_apply(path, keep_source=True))
 
     async def install_url(
-        self, url: str, *, length: int, bundle_id: str, incoming_name: str
+        self, url: str, *, length: int, bundle_id: str, incoming_name: str = ""
     ) -> Outcome:
-        """Fetch (resumable) from ``url`` into ``incoming/``, then as :meth:`install_file`."""
+        """Fetch (resumable) from ``url`` into ``incoming/``, then as :meth:`install_file`.
+
+        The download is named by the URL and length (:func:`download_name`; ``incoming_name``
+        overrides), so only a re-offer of the same file resumes its ``.part``. An offer
+        longer than the policy's ``max_bundle_bytes`` is refused before a byte is fetched.
+        The journal and the status reports carry the URL without credentials or query.
+        """
         if self._lock.locked():
             same = self.journal.update is not None and self.journal.update.bundle_id == bundle_id
             why = "the same offer is in progress" if same else "another update is in progress"
             return Outcome("busy", why, "busy")
         async with self._lock:
             self._abort.clear()
-            self._go("offer", update=Update(bundle_id=bundle_id, source=url))
-            return await self._guarded(self._fetch_and_apply(url, length, incoming_name))
+            self._go("offer", update=Update(bundle_id=bundle_id, source=redact_url(url)))
+            name = incoming_name or download_name(url, length)
+            return await self._guarded(self._fetch_and_apply(url, length, name))
 
     async def _fetch_and_apply(self, url: str, length: int, incoming_name: str) -> Outcome:
         dest = self.store.incoming / incoming_name
+        part = dest.with_name(dest.name + ".part")
         try:
+            if length > self.policy.max_bundle_bytes:
+                raise MalformedBundle(
+                    f"{redact_url(url)}: the offer declares {length} bytes; this device's limit "
+                    f"is {self.policy.max_bundle_bytes} (nothing fetched)"
+                )
             if self._fetch is None:
                 raise FetchError("no bundle transport configured on this device")
             await self._fetch(url, dest, length=length)
         except OtaError as exc:
+            if exc.permanent:  # a .part that cannot complete is only a waste of flash
+                part.unlink(missing_ok=True)
             detail = {"code": exc.code, "permanent": exc.permanent}
             self._go("rejected", reason=str(exc), detail=detail)
             return Outcome("failed", str(exc), exc.code)
         self._go("fetched", detail={"bytes": length})
-        return await self._verify_and_apply(dest, keep_source=False)
+        outcome = await self._verify_and_apply(dest, keep_source=False)
+        if outcome.result == "failed":
+            # Refused (or not staged): the fetched file must not be found again, neither by
+            # a resume nor by anything else; a re-offer downloads it afresh. (Once staged,
+            # it was renamed into the store: nothing is left here.)
+            dest.unlink(missing_ok=True)
+            part.unlink(missing_ok=True)
+        return outcome
 
     async def _guarded(self, work: Awaitable[Outcome]) -> Outcome:
         """Run one update; an error that is not an OtaError (a disk that cannot be read, a
@@ -374,6 +398,11 @@ class Updater:
             back = kept[0] if kept else None
         try:
             done = await self.activator.restore(back, self.store)
+            if up is not None and up.fell_back and up.target is None:
+                # A retried manual rollback (after a restart) that worked this time: the
+                # kept version is what serves, not the earlier fallback.
+                self.journal = replace(self.journal, update=replace(up, fell_back=False))
+                _journal.save(self.journal_path, self.journal)
             if self._failed_at is not None:
                 # From the failed check to the previous version serving (bench.ota).
                 self.last_rollback_ms = (time.perf_counter() - self._failed_at) * 1000.0
@@ -385,7 +414,8 @@ class Updater:
             why = f"{why}; rollback target unavailable: {exc}"
             done, live = await self._fallback(back)
             if up is not None:
-                self.journal = replace(self.journal, update=replace(up, replaced=live))
+                fell = replace(up, replaced=live, fell_back=True)
+                self.journal = replace(self.journal, update=fell)
                 _journal.save(self.journal_path, self.journal)
             log.error("ota: %s", why)
         self._go("rolled_back", reason=why)
@@ -402,8 +432,10 @@ class Updater:
                 return await self.activator.restore(None, self.store), None
             except OtaError as exc:
                 log.error("ota: the factory version does not come back either: %s", exc)
-        current = up.target if up is not None else None
-        return True, current
+        if up is not None and up.target is not None:
+            return True, up.target
+        # A manual rollback (no target): what serves now is the journal's active version.
+        return True, self.journal.active.get(up.kind) if up is not None else None
 
     async def rollback(self, kind: str, *, bundle_id: str = "") -> Outcome:
         """Abort a probation, or bring back the previous committed version of ``kind``.
@@ -450,6 +482,16 @@ def describe(j: Journal) -> dict[str, Any]:
     }
 
 
+def download_name(url: str, length: int) -> str:
+    """The file an offer downloads to in ``incoming/``: a hash of its URL and length.
+
+    A ``.part`` is resumed only by an offer with the same name, so two different files
+    (a re-signed bundle under the same bundle_id, say) are never spliced together.
+    """
+    digest = hashlib.sha256(f"{length} {url}".encode()).hexdigest()
+    return f"offer-{digest[:32]}.efb"
+
+
 def _installed(vb: VerifiedBundle) -> Installed:
     s = vb.signed
     return Installed(
@@ -462,4 +504,4 @@ def _installed(vb: VerifiedBundle) -> Installed:
     )
 
 
-__all__ = ["ActivationError", "Activator", "Outcome", "Updater"]
+__all__ = ["ActivationError", "Activator", "Outcome", "Updater", "download_name"]

@@ -10,8 +10,8 @@ manifest is. Step by step:
 3. the manifest is strict JSON; ``signed`` is signed by a threshold of the root's
    ``bundles`` keys over its canonical bytes (a key counts once);
 4. ``signed`` is checked field by field; then expiry, compat (device type, agent version),
-   permissions (the device's grant), anti-rollback (counter above the kind's floor; equal
-   is "already installed");
+   permissions (the device grants the kind's own permission and every listed one),
+   anti-rollback (counter above the kind's floor; equal is "already installed");
 5. the members after the manifest are exactly the listed payloads, in the listed order,
    each with its declared length; each payload's sha256 is computed while streaming;
    then only zero padding may follow;
@@ -51,7 +51,7 @@ from ota.errors import (
     SignatureInvalid,
     TrustError,
 )
-from ota.manifest import Payload, Signed, parse_signed
+from ota.manifest import KIND_PERMISSION, Payload, Signed, parse_signed
 from ota.store import ContentStore
 from ota.trust import TrustRoot, explain, signers, split_envelope
 
@@ -122,6 +122,14 @@ def _check_policy(m: Signed, policy: Policy, floors: Mapping[str, int], now: dat
                 f"bundle {m.bundle_id}: needs agent {m.compat.agent}; "
                 f"this agent is {policy.agent_version}"
             )
+    # The kind's own permission is required whatever the signed list says: a bundle that
+    # omits it must not install an agent on a device that never granted agent:replace.
+    needed = KIND_PERMISSION[m.kind]
+    if needed not in policy.permissions:
+        raise PermissionDenied(
+            f"bundle {m.bundle_id}: kind {m.kind!r} requires {needed!r}, which this "
+            f"device's policy does not grant (granted: {sorted(policy.permissions) or 'none'})"
+        )
     missing = sorted(set(m.required_permissions) - policy.permissions)
     if missing:
         raise PermissionDenied(

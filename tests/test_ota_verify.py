@@ -593,6 +593,45 @@ def test_permission_not_granted(env: Env) -> None:
     refused(env, env.bundle(signed=signed), PermissionDenied, "['agent:replace']")
 
 
+_WHEEL = ("edgefleet-9.9.9-py3-none-any.whl", b"PK wheel")
+_KIND_PAYLOADS: dict[str, list[tuple[str, bytes]]] = {
+    "model": members(),
+    "config": [("agent.toml", b'[device]\nname = "gw-1"\n')],
+    "agent": [_WHEEL],
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "needed"),
+    [("model", "model:swap"), ("config", "config:write"), ("agent", "agent:replace")],
+)
+def test_the_kinds_permission_is_required_even_when_the_manifest_omits_it(
+    env: Env, kind: str, needed: str
+) -> None:
+    payloads = _KIND_PAYLOADS[kind]
+    signed = signed_for(payloads, kind=kind, required_permissions=[])
+    others = {"model:swap", "config:write", "agent:replace"} - {needed}
+    policy = Policy("motor-drive", "0.1.0", frozenset(others))
+    path = env.bundle(payloads=payloads, signed=signed)
+    refused(env, path, PermissionDenied, f"kind {kind!r} requires {needed!r}", policy=policy)
+
+
+def test_an_agent_bundle_with_no_listed_permission_verifies_where_granted(env: Env) -> None:
+    signed = signed_for([_WHEEL], kind="agent", required_permissions=[])
+    policy = Policy("motor-drive", "0.1.0", frozenset({"agent:replace"}))
+    assert env.verify(env.bundle(payloads=[_WHEEL], signed=signed), policy=policy).kind == "agent"
+
+
+@pytest.mark.parametrize("kind", ["model", "config", "agent"])
+def test_default_permissions_are_the_kinds_permission(env: Env, kind: str) -> None:
+    payloads = _KIND_PAYLOADS[kind]
+    perms = build.default_permissions(kind)
+    signed = signed_for(payloads, kind=kind, required_permissions=perms)
+    path = env.bundle(payloads=payloads, signed=signed)
+    policy = Policy("motor-drive", "0.1.0", frozenset(perms))
+    assert env.verify(path, policy=policy).kind == kind
+
+
 # -- container ------------------------------------------------------------------------------
 
 
@@ -1104,7 +1143,7 @@ def test_gc_keeps_what_is_in_use(env: Env) -> None:
     assert env.cs.read(new.payloads["model.tflite"], max_bytes=1 << 20) == NEW_TFLITE
     assert env.cs.read(new.payloads["model.json"], max_bytes=1 << 20) == MODEL_JSON
     assert not stray.exists()
-    assert partial.exists()  # a fetch that may still resume
+    assert not partial.exists()  # no update in flight: a .part left over is stale
 
     # A kept version (for rollback) keeps its bundle too.
     again = env.verify(env.bundle("old.efb", signed=old_signed), floors={})
@@ -1112,6 +1151,16 @@ def test_gc_keeps_what_is_in_use(env: Env) -> None:
     assert env.cs.gc(kept.payloads_in_use()) == []
     assert again.path.exists()
     assert env.cs.read(again.payloads["model.tflite"], max_bytes=1 << 20) == TFLITE
+
+
+def test_gc_keeps_only_the_part_of_the_update_in_flight(env: Env) -> None:
+    mine = env.cs.incoming / "offer-mine.efb.part"
+    stale = env.cs.incoming / "offer-abandoned.efb.part"
+    mine.write_bytes(b"x" * 10)
+    stale.write_bytes(b"y" * 10)
+    env.cs.gc(set(), in_flight=[mine.name])
+    assert mine.read_bytes() == b"x" * 10
+    assert not stale.exists()
 
 
 # -- made with the openssl and tar command lines --------------------------------------------

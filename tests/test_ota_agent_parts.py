@@ -1,0 +1,124 @@
+"""Parts of the agent's OTA side, each against the real thing: model directories
+materialised from the content store, and the health probe of the agent's own API.
+
+Heavier end-to-end runs (probation, rollback, SIGKILL) are in ``test_ota_agent.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from edge_agent.config import load_config
+from edge_agent.ota import _health_url
+from edge_agent.service import Agent
+from ota.machine import Installed
+from ota.verify import verify_bundle
+from tests.ota_support import Signer, model_members
+from tests.test_ota_agent import ota_config, run_agent
+
+
+def _with_thresholds(model_json: bytes, drift: float) -> bytes:
+    doc = json.loads(model_json)
+    doc["thresholds"]["drift"] = drift
+    return json.dumps(doc, indent=1).encode()
+
+
+def _installed(agent: Agent, path: Path) -> Installed:
+    """Verify ``path`` into the agent's own store as its updater would."""
+    assert agent.ota is not None
+    up = agent.ota.updater
+    vb = verify_bundle(
+        path,
+        root=up.trust_root(),
+        policy=up.policy,
+        floors=up.journal.floors,
+        now=datetime.now(UTC),
+        store=up.store,
+        keep_source=True,
+    )
+    s = vb.signed
+    return Installed(
+        s.bundle_id, s.kind, s.version, s.counter, vb.manifest_sha256, dict(vb.payloads)
+    )
+
+
+def test_a_bundle_changing_only_model_json_serves_its_own_manifest(tmp_path: Path) -> None:
+    signer = Signer()
+    cfg, _, _ = ota_config(tmp_path, signer)
+    members, _ = model_members(tmp_path, "thresholds")
+    (tflite_name, tflite), (_, model_json) = members
+    b1 = signer.bundle(
+        tmp_path / "m1.efb",
+        [(tflite_name, tflite), ("model.json", _with_thresholds(model_json, 0.91))],
+        version="1.1.0",
+        counter=2,
+    )
+    b2 = signer.bundle(
+        tmp_path / "m2.efb",
+        [(tflite_name, tflite), ("model.json", _with_thresholds(model_json, 0.93))],
+        version="1.2.0",
+        counter=3,
+    )
+    agent = Agent(cfg)
+    assert agent.ota is not None
+    assert agent.stage is not None
+    store = agent.ota.updater.store
+    served: list[float] = []
+
+    async def main() -> None:
+        assert agent.ota is not None
+        assert agent.stage is not None
+        for b in (b1, b2):
+            inst = _installed(agent, b)
+            assert await agent.ota.activate(inst, store)
+            served.append(agent.stage.model.manifest.thresholds["drift"])
+
+    asyncio.run(main())
+    assert served == [0.91, 0.93]
+    dirs = sorted((agent.ota.dir / "models").iterdir())
+    drifts = sorted(
+        json.loads((d / "manifest.json").read_bytes())["thresholds"]["drift"] for d in dirs
+    )
+    assert drifts == [0.91, 0.93]
+
+
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [
+        ("127.0.0.1", "http://127.0.0.1:8080/v1/health"),
+        ("localhost", "http://localhost:8080/v1/health"),
+        ("::1", "http://[::1]:8080/v1/health"),
+        ("[::1]", "http://[::1]:8080/v1/health"),
+        ("fd00::5", "http://[fd00::5]:8080/v1/health"),
+        ("0.0.0.0", "http://127.0.0.1:8080/v1/health"),
+        ("::", "http://[::1]:8080/v1/health"),
+    ],
+)
+def test_the_health_url_brackets_ipv6_and_probes_loopback_for_a_wildcard(
+    host: str, url: str
+) -> None:
+    assert _health_url(host, 8080) == url
+
+
+@pytest.mark.parametrize("host", ["::1", "::", "0.0.0.0"])
+def test_the_health_probe_reaches_the_api_bound_on(tmp_path: Path, host: str) -> None:
+    signer = Signer()
+    _, port, channel = ota_config(tmp_path, signer)
+    text = (tmp_path / "agent.toml").read_text()
+    bound = text.replace('host = "127.0.0.1"             #', f'host = "{host}"  #', 1)
+    assert bound != text
+    (tmp_path / "agent.toml").write_text(bound)
+    cfg = load_config(tmp_path / "agent.toml")
+    assert cfg.api.host == host
+
+    async def scenario(agent: Agent) -> bool:
+        assert agent.ota is not None
+        return await agent.ota.health()
+
+    healthy, _, _ = run_agent(cfg, port, channel, scenario)
+    assert healthy is True

@@ -1,0 +1,224 @@
+"""The updater's offers and rollbacks on a real agent: offers fetched from the fleet's own
+artifact server, a silent TCP peer for a transfer in flight, bundles verified into the
+agent's own store, and the agent's model loader doing the restores.
+
+An agent that is built but not run is enough where no probation is needed (a refused offer,
+a rollback); the re-offer test runs the agent against the plant simulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from datetime import UTC, datetime
+from pathlib import Path
+
+from edge_agent.config import AgentConfig, load_config
+from edge_agent.service import Agent
+from fleet.artifacts import ArtifactServer, publish
+from models import load_model
+from ota import journal as ota_journal
+from ota.machine import Installed, Journal
+from ota.store import ContentStore
+from ota.trust import load_root
+from ota.updater import download_name
+from ota.verify import Policy, verify_bundle
+from tests.ota_support import Signer, model_members
+from tests.test_ota_agent import ota_config, run_agent, until
+
+
+def _config(tmp: Path, signer: Signer, old: str = "", new: str = "") -> AgentConfig:
+    """The example config with a trust root, ``old`` replaced by ``new`` in its text."""
+    ota_config(tmp, signer)
+    path = tmp / "agent.toml"
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+    return load_config(path)
+
+
+def _bundle(
+    signer: Signer, tmp: Path, tag: str, counter: int, *, bundle_id: str | None = None
+) -> Path:
+    members, _ = model_members(tmp, tag)
+    return signer.bundle(
+        tmp / f"{tag}.efb",
+        members,
+        version=f"1.{counter}.0",
+        counter=counter,
+        bundle_id=bundle_id,
+    )
+
+
+def _verified(store: ContentStore, signer: Signer, path: Path) -> Installed:
+    vb = verify_bundle(
+        path,
+        root=load_root(signer.root_json(), datetime.now(UTC)),
+        policy=Policy("motor-drive-gw", "0.1.0", frozenset({"model:swap"})),
+        floors={},
+        now=datetime.now(UTC),
+        store=store,
+        keep_source=True,
+    )
+    s = vb.signed
+    return Installed(
+        s.bundle_id, s.kind, s.version, s.counter, vb.manifest_sha256, dict(vb.payloads)
+    )
+
+
+def test_an_offer_over_the_size_limit_is_refused_before_a_byte_is_fetched(
+    tmp_path: Path,
+) -> None:
+    signer = Signer()
+    cfg = _config(tmp_path, signer, "max_bundle_mb = 512", "max_bundle_mb = 1")
+    (tmp_path / "art").mkdir()
+    sha = publish(tmp_path / "art", _bundle(signer, tmp_path, "big", 2))
+    agent = Agent(cfg)
+    assert agent.ota is not None
+    up = agent.ota.updater
+
+    async def main() -> tuple[str, str, str, int]:
+        async with ArtifactServer(tmp_path / "art") as srv:
+            out = await up.install_url(srv.http_url(sha), length=2 << 20, bundle_id="big")
+            return out.result, out.code, out.reason, srv.stats.http_requests
+
+    result, code, reason, requests = asyncio.run(main())
+    assert (result, code) == ("failed", "malformed")
+    assert f"declares {2 << 20} bytes" in reason
+    assert f"limit is {1 << 20}" in reason
+    assert requests == 0
+    assert up.journal.state == "idle"
+    assert up.journal.last is not None
+    assert up.journal.last.result == "failed"
+    assert not list(up.store.incoming.iterdir())
+
+
+def test_a_refused_download_leaves_nothing_to_resume(tmp_path: Path) -> None:
+    signer, stranger = Signer(), Signer()
+    cfg, _, _ = ota_config(tmp_path, signer)
+    (tmp_path / "art").mkdir()
+    path = _bundle(stranger, tmp_path, "unsigned", 2)  # signed by a key the root lacks
+    sha = publish(tmp_path / "art", path)
+    agent = Agent(cfg)
+    assert agent.ota is not None
+    up = agent.ota.updater
+
+    async def main() -> str:
+        async with ArtifactServer(tmp_path / "art") as srv:
+            out = await up.install_url(
+                srv.http_url(sha), length=path.stat().st_size, bundle_id="model-1.2.0"
+            )
+            return out.code
+
+    assert asyncio.run(main()) == "bad_signature"
+    assert not list(up.store.incoming.iterdir())
+
+
+def test_the_journal_and_the_status_carry_the_url_without_its_secrets(tmp_path: Path) -> None:
+    signer = Signer()
+    cfg = _config(tmp_path, signer)
+    agent = Agent(cfg)
+    assert agent.ota is not None
+    up = agent.ota.updater
+    # A peer that takes the connection and never answers: the offer stays in "fetching".
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        url = f"http://fleet:hunter2@127.0.0.1:{port}/v1/bundles/{'a' * 64}?token=s3cr3t"
+
+        async def main() -> tuple[str, dict[str, object]]:
+            task = asyncio.create_task(up.install_url(url, length=1000, bundle_id="m"))
+            try:
+                await until(lambda: up.journal.state == "fetching", timeout=5)
+                return up.journal_path.read_text(), up.status()
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+        on_disk, status = asyncio.run(main())
+    for secret in ("hunter2", "fleet:", "s3cr3t", "token"):
+        assert secret not in on_disk
+        assert secret not in json.dumps(status)
+    safe = f"http://127.0.0.1:{port}/v1/bundles/{'a' * 64}?<redacted>"
+    assert json.loads(on_disk)["update"]["source"] == safe
+    update = status["update"]
+    assert isinstance(update, dict)
+    assert update["source"] == safe
+
+
+def test_a_reoffer_under_the_same_bundle_id_never_resumes_another_files_part(
+    tmp_path: Path,
+) -> None:
+    signer = Signer()
+    cfg, port, channel = ota_config(tmp_path, signer)
+    (tmp_path / "art").mkdir()
+    a = _bundle(signer, tmp_path, "first", 2, bundle_id="model-1.2.0")
+    b = _bundle(signer, tmp_path, "resigned", 2, bundle_id="model-1.2.0")
+    sha_a, sha_b = publish(tmp_path / "art", a), publish(tmp_path / "art", b)
+    size_a, size_b = a.stat().st_size, b.stat().st_size
+    incoming = cfg.state_dir / "ota" / "incoming"
+    incoming.mkdir(parents=True, exist_ok=True)
+    scratch = ContentStore(tmp_path / "scratch" / "store")
+    scratch.ensure()
+    want = _verified(scratch, signer, b).manifest_sha256
+
+    async def scenario(agent: Agent) -> tuple[str, str, bool]:
+        assert agent.ota is not None
+        up = agent.ota.updater
+        async with ArtifactServer(tmp_path / "art") as srv:
+            # An earlier offer of model-1.2.0 (file a) died after 2000 bytes; wherever it
+            # left its .part (by bundle_id, or by its own URL), b must not resume it.
+            head = a.read_bytes()[:2000]
+            (incoming / "model-1.2.0.efb.part").write_bytes(head)
+            (incoming / f"{download_name(srv.http_url(sha_a), size_a)}.part").write_bytes(head)
+            cmd = {"action": "install", "bundle_id": "model-1.2.0", "length": size_b}
+            cmd["url"] = srv.http_url(sha_b)
+            agent.ota.on_command("ota", json.dumps(cmd).encode())
+            await until(lambda: up.journal.last is not None, timeout=60)
+        last = up.journal.last
+        assert last is not None
+        active = up.journal.active.get("model")
+        served_b = active is not None and active.manifest_sha256 == want
+        return last.result, last.reason, served_b
+
+    (result, reason, served_b), _, _ = run_agent(cfg, port, channel, scenario)
+    assert result == "committed", reason
+    assert served_b
+
+
+def test_a_manual_rollback_whose_kept_version_is_damaged_records_the_factory_model(
+    tmp_path: Path,
+) -> None:
+    signer = Signer()
+    cfg, _, _ = ota_config(tmp_path, signer)
+    store = ContentStore(cfg.state_dir / "ota" / "store")
+    store.ensure()
+    v1, v2, v3 = (
+        _verified(store, signer, _bundle(signer, tmp_path, f"v{n}", n)) for n in (1, 2, 3)
+    )
+    # The kept v2's model is damaged at rest (a bad flash block).
+    ext = store.extent(v2.payloads["model.tflite"])
+    assert ext is not None
+    with open(ext.path, "r+b") as f:
+        f.seek(ext.offset + 100)
+        byte = f.read(1)
+        f.seek(ext.offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    journal = Journal(active={"model": v3}, kept={"model": (v2, v1)}, floors={"model": 3})
+    ota_journal.save(cfg.state_dir / "ota" / "journal.json", journal)
+
+    agent = Agent(cfg)  # boots with v3 live, as after a restart
+    assert agent.ota is not None
+    assert agent.stage is not None
+    assert agent.stage.model.sha256 == v3.payloads["model.tflite"]
+    up = agent.ota.updater
+    out = asyncio.run(up.rollback("model"))
+
+    assert out.result == "rolled_back", out
+    assert "rollback target unavailable" in out.reason
+    assert agent.stage.model.sha256 == load_model(cfg.reasoning.model_dir).sha256  # factory
+    # What the journal says runs is what runs: the factory model, no active bundle.
+    assert "model" not in up.journal.active
+    on_disk, _ = ota_journal.load(up.journal_path)
+    assert "model" not in on_disk.active
+    assert up.status()["active"] == {}
