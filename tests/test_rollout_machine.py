@@ -115,6 +115,8 @@ class Sim:
             state=state,
             reason=reason,
             detail=detail or {},
+            t_ns=self.now,
+            received_ns=self.now,
             now_ns=self.now,
         )
         return self.r
@@ -288,7 +290,8 @@ def test_failure_threshold_only_after_min_devices() -> None:
         assert sim.tick(1) == []
         assert sim.r.state == "running", "4 finished devices are fewer than min_devices"
     sim.commit(wave[4])
-    assert sim.tick(1) == []
+    # The halt tells the devices still in flight to roll back the bundle that tripped it.
+    assert sim.tick(1) == [Command("rollback", d) for d in wave[5:]]
     assert sim.r.state == "halted"
     assert sim.r.reason.startswith("4 of 5 finished devices failed (more than 20%)")
     assert wave[0] in sim.r.reason  # names the first failure and why
@@ -402,17 +405,22 @@ def test_slow_model_halts_at_the_first_wave_and_those_devices_roll_back() -> Non
     a, b, fine = waves[0]
     sim.commit(a, **slow)
     sim.say(b, "probation")
-    assert sim.tick(1) == [Command("rollback", a)]
+    # The regressed device and the devices still in flight are told to roll back.
+    assert sim.tick(1) == [
+        Command("rollback", a),
+        Command("rollback", b),
+        Command("rollback", fine),
+    ]
     assert sim.r.state == "halted"
-    # The devices still in flight finish on the slow model: they are told to roll back too,
-    # once each; a device that committed fine is left alone.
+    # A device in flight that still commits a regression (the rollback did not take: it
+    # raced the commit) is told again, once; a device that committed fine is left alone.
     sim.commit(b, **slow)
     assert sim.tick(1) == [Command("rollback", b)]
     assert sim.tick(1) == []
     sim.commit(fine)
     assert sim.tick(1) == []
     assert sim.offers() == list(waves[0])
-    assert [cmd.device for _, cmd in sim.sent if cmd.action == "rollback"] == [a, b]
+    assert [cmd.device for _, cmd in sim.sent if cmd.action == "rollback"] == [a, b, fine, b]
     assert len(halts(sim.r)) == 1
     # A committed device reports the rollback it was told to do as a manual one (no bundle,
     # edge_agent.ota publishes "-"): not this rollout's; nothing is sent twice.
@@ -609,6 +617,8 @@ def _report(sim: Sim, **kw: Any) -> Rollout:
         "state": "failed",
         "reason": "x",
         "detail": {"code": "bad_signature", "permanent": True},
+        "t_ns": sim.now + 5 * S,
+        "received_ns": sim.now + 5 * S,
         "now_ns": sim.now + 5 * S,
     }
     args.update(kw)
@@ -658,6 +668,53 @@ def test_a_new_boot_resets_the_seq_order_and_the_old_boot_is_stale() -> None:
     assert sim.state("a000") == "committed"
 
 
+def test_a_report_received_before_the_offer_is_not_about_it() -> None:
+    """A stored report of an earlier rollout of the same bundle (read again after a restart,
+    or by the overlap window) must not judge this offer, nor displace the device's boot."""
+    sim = Sim(new_rollout([["a000"], ["b000"]], Params(min_devices=1, max_failure=0.0)))
+    sim.now += 60 * S
+    sim.tick()  # offered at T0 + 60 s
+    before = sim.r
+    earlier = _report(
+        sim, boot_id="boot-a000-old", seq=5, t_ns=T0 + S, received_ns=T0 + S, now_ns=sim.now
+    )
+    assert earlier == before
+    assert sim.tick(1) == []
+    assert sim.phase() == "running"
+    # Received at the offer or later: applied.
+    sim.say("a000", "fetching")
+    assert sim.r.devices["a000"].boot_id == "boot-a000-0"
+    assert sim.r.devices["a000"].old_boots == ()
+
+
+def test_a_report_of_the_attempt_before_a_retry_stored_late_is_ignored() -> None:
+    sim = Sim(new_rollout([["a000"], ["b000"]]))
+    sim.tick()
+    sim.fail("a000", "fetch", permanent=False)  # seqs 0, 1: waiting for a retry
+    assert sim.tick(5) == [Command("offer", "a000")]
+    before = sim.r
+    # Seq 2 of the first attempt was received before the retry's offer, read only now.
+    late = _report(sim, seq=2, state="failed", received_ns=sim.now - S, now_ns=sim.now + S)
+    assert late == before
+
+
+def test_a_late_report_of_a_boot_never_seen_is_old_by_its_time() -> None:
+    sim = _in_progress_sim()  # boot-a000-0, seqs 0..3 at sim.now
+    sim.now += 10 * S
+    sim.reboot("a000")
+    sim.say("a000", "probation")  # boot-a000-1, t_ns sim.now
+    before = sim.r
+    # A boot between the two, never applied, whose report reaches us late: older by t_ns.
+    late = _report(sim, boot_id="boot-a000-x", seq=9, t_ns=sim.now - 5 * S, received_ns=sim.now + S)
+    assert late == before
+    assert sim.r.devices["a000"].boot_id == "boot-a000-1"
+    # A boot never seen that is newer than the last report does take over.
+    newer = _report(sim, boot_id="boot-a000-2", seq=0, t_ns=sim.now + 5 * S)
+    assert newer.devices["a000"].boot_id == "boot-a000-2"
+    assert newer.devices["a000"].old_boots == ("boot-a000-0", "boot-a000-1")
+    assert newer.devices["a000"].state == "failed"
+
+
 def test_a_report_while_a_retry_is_due_is_old_after_the_next_offer() -> None:
     sim = Sim(new_rollout([["a000"], ["b000"]]))
     sim.tick()
@@ -676,6 +733,8 @@ def test_a_report_while_a_retry_is_due_is_old_after_the_next_offer() -> None:
         state="failed",
         reason="",
         detail={"code": "fetch", "permanent": False},
+        t_ns=sim.now,
+        received_ns=sim.now,
         now_ns=sim.now,
     )
     assert redelivered == before
@@ -702,7 +761,17 @@ def test_replaying_the_whole_stream_changes_nothing_random() -> None:
             seq = sim.seqs.get(d, 0)
             boot = sim.boots.setdefault(d, f"boot-{d}-0")
             sim.say(d, state, detail=detail)
-            log.append({"device": d, "boot_id": boot, "seq": seq, "state": state, "detail": detail})
+            log.append(
+                {
+                    "device": d,
+                    "boot_id": boot,
+                    "seq": seq,
+                    "state": state,
+                    "detail": detail,
+                    "t_ns": sim.now,
+                    "received_ns": sim.now,
+                }
+            )
             if rng.random() < 0.2:
                 sim.tick(rng.uniform(0, 30))
         after = sim.r
@@ -782,6 +851,25 @@ def test_abort_mid_wave_sends_rollback_to_devices_in_flight_only() -> None:
     assert abort(sim.r, sim.now) == (sim.r, [])
     assert resume(sim.r, sim.now) == sim.r
     assert pause(sim.r, sim.now) == sim.r
+
+
+def test_a_halt_sends_rollback_to_every_device_in_flight_once() -> None:
+    params = Params(min_devices=1, max_failure=0.0, retry_backoff_s=600)
+    sim = Sim(new_rollout([names("a", 5), names("b", 2)], params))
+    sim.tick()
+    sim.commit("a000")  # committed: left alone
+    sim.fail("a001", "fetch", permanent=False)  # waiting for a retry: nothing installing
+    sim.say("a002", "probation")  # in progress
+    sim.fail("a003", "incompatible", permanent=True)  # trips the halt
+    cmds = sim.tick(1)  # a004: offered, silent
+    assert sim.phase() == "halted"
+    assert cmds == [Command("rollback", "a002"), Command("rollback", "a004")]
+    assert sim.r.history[-1][1] == "rollback sent to 2 device(s) in flight: a002, a004"
+    assert sim.tick(1) == []
+    assert sim.tick(3600) == []  # and no timeout turns into another command
+    # Their answers still count.
+    sim.say("a002", "rolled_back")
+    assert sim.state("a002") == "rolled_back"
 
 
 def test_abort_mid_wave_of_a_halted_rollout_still_rolls_back_the_ones_in_flight() -> None:

@@ -21,9 +21,14 @@ broker or a sleep:
   ``timed_out``: it does not block its wave (a late report still counts);
 - **duplicates** — a report is applied only if its ``(boot_id, seq)`` is newer than the last
   one applied for that device (a new boot id starts a new order; a report from a boot the
-  device has left is old); replays and duplicates change nothing;
+  device has left is old, and so is one from a boot never seen whose ``t_ns`` is older than
+  the last report applied); replays and duplicates change nothing;
+- **old reports** — a report the fleet received before this rollout's latest offer to the
+  device is about something else (an earlier rollout of the same bundle, or the attempt
+  before a retry, judged already) and is ignored;
 - **pause / resume / abort** — pause holds new offers and retries; abort also sends
-  rollback to every device still in flight.
+  rollback to every device still in flight, and so does a halt (the devices installing the
+  bundle that tripped it stop).
 """
 
 from __future__ import annotations
@@ -77,6 +82,9 @@ class DeviceRun:
     rollback_sent: bool = False
     #: Boot ids this device reported under before ``boot_id`` (newest last, bounded).
     old_boots: tuple[str, ...] = ()
+    #: The device's ``t_ns`` of the newest report applied: orders a boot id never seen
+    #: against ``boot_id`` (0: nothing applied yet, or a document from before this field).
+    t_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -206,22 +214,40 @@ def on_status(
     state: str,
     reason: str,
     detail: dict[str, Any],
+    t_ns: int,
+    received_ns: int,
     now_ns: int,
 ) -> Rollout:
-    """Apply one ``ota/status`` report; anything stale, foreign or duplicated is ignored."""
+    """Apply one ``ota/status`` report; anything stale, foreign or duplicated is ignored.
+
+    ``t_ns`` is the device's own time of the report, ``received_ns`` the fleet's time of
+    arrival (the store's stamp, the same clock as ``now_ns`` and the offers).
+    """
     d = r.devices.get(device)
     if d is None or bundle_id != r.bundle_id or d.state == "aborted":
         return r
     if d.state == "waiting" and d.attempts == 0:
         return r  # not offered yet: whatever it says is not about this rollout's offer
+    if received_ns < d.offered_ns:
+        # Stored before the latest offer: a report of an earlier rollout of this bundle
+        # (its boot id would displace the device's real one) or of the attempt before a
+        # retry, which is judged already. Reports are read again from the store after a
+        # restart, so this is no corner case.
+        return r
     if (boot_id == d.boot_id and seq <= d.seq) or boot_id in d.old_boots:
         # A duplicate or a replay of something already applied, or a redelivery from a
         # boot before the one the device reports from now (the outbox sends the old boot's
         # rows first, so anything of it arriving later is older than what we have).
         return r
+    if boot_id != d.boot_id and d.boot_id and t_ns < d.t_ns:
+        # A boot id never seen, but older than the report applied last: a late report from
+        # a boot before the one we know (it was never applied, so it is not in old_boots),
+        # not a new boot. Not remembered as old: if this is a real new boot whose clock is
+        # behind, its later reports take over once they are newer.
+        return r
     if boot_id != d.boot_id and d.boot_id:
         d = replace(d, old_boots=(*d.old_boots, d.boot_id)[-MAX_OLD_BOOTS:])
-    d = replace(d, boot_id=boot_id, seq=seq)
+    d = replace(d, boot_id=boot_id, seq=seq, t_ns=max(t_ns, d.t_ns))
     if d.state == "waiting":
         # A retry is due: the attempt before is judged already. The report still moves the
         # order on, so a redelivery of it after the next offer is known as old.
@@ -356,9 +382,7 @@ def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
             f"(more than {p.max_failure:.0%}); {first.device}: {first.reason}"
         )
     if why:
-        r = _log(r, now_ns, f"halted: {why}", state="halted", reason=why)
-        r, more = _roll_back_regressed(r, now_ns, log=False)
-        return r, cmds + more
+        return _halt(r, now_ns, why, cmds)
 
     if r.state == "paused":
         return r, cmds
@@ -385,13 +409,31 @@ def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
                 f"wave {r.wave + 1}: {ok} of {len(answered)} answering devices committed "
                 f"(gate {p.success_gate:.0%}; {len(wave) - len(answered)} timed out)"
             )
-            return _log(r, now_ns, f"halted: {why}", state="halted", reason=why), cmds
+            return _halt(r, now_ns, why, cmds)
         r = _log(r, now_ns, f"wave {r.wave + 1} passed: {ok}/{len(wave)} committed")
     if r.wave + 1 >= len(r.waves):
         return _log(r, now_ns, "completed", state="completed"), cmds
     nxt = r.wave + 1
     r, more = _offer(replace(r, wave=nxt), list(r.waves[nxt]), now_ns)
     return _log(r, now_ns, f"wave {nxt + 1} started: {len(r.waves[nxt])} device(s)"), cmds + more
+
+
+def _halt(r: Rollout, now_ns: int, why: str, cmds: list[Command]) -> tuple[Rollout, list[Command]]:
+    """Halt: rollback to the regressed devices and to every device still in flight.
+
+    A device that was offered the bundle and has not finished would otherwise go on to
+    install what tripped the halt. Sent once: a halted rollout is not halted again. The
+    device's state stays (offered, in progress): its answer still counts (a regressed
+    commit that raced the rollback is still told to roll back), and an abort of the halted
+    rollout sends rollback again, as it did before.
+    """
+    r = _log(r, now_ns, f"halted: {why}", state="halted", reason=why)
+    r, more = _roll_back_regressed(r, now_ns, log=False)
+    flying = sorted(n for n, d in r.devices.items() if d.state in ("offered", "in_progress"))
+    if flying:
+        shown = ", ".join(flying[:5]) + (", ..." if len(flying) > 5 else "")
+        r = _log(r, now_ns, f"rollback sent to {len(flying)} device(s) in flight: {shown}")
+    return r, cmds + more + [Command("rollback", name) for name in flying]
 
 
 def _roll_back_regressed(

@@ -5,10 +5,11 @@
   ``<sha256>.efb``, plans the waves from the registry and its labels, and saves the rollout.
   No broker is needed: the orchestrator picks it up.
 - **step** (every ``tick_s`` inside ``fleet serve``): takes pause/resume/abort requests from
-  the store, feeds every ``ota/status`` message the ingest stored since the last step to the
-  rollouts it belongs to (matched by ``bundle_id``), ticks each rollout and publishes the
-  offers and rollbacks it asks for on ``.../cmd/ota`` (QoS 1; the devices' persistent
-  sessions keep them while a device is offline), then saves what changed.
+  the store, feeds every ``ota/status`` message the ingest stored since the last step (read
+  page by page) to the rollouts it belongs to (matched by ``bundle_id``), ticks each
+  rollout, saves what changed and then publishes the offers and rollbacks it asked for on
+  ``.../cmd/ota`` (QoS 1; the devices' persistent sessions keep them while a device is
+  offline). The cursor and the requests move on only when every save succeeded.
 
 All of a rollout's state is its document in the store. After a restart the orchestrator
 reads the ``ota/status`` messages again from the oldest active rollout's creation on;
@@ -25,7 +26,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -53,6 +54,8 @@ TRANSPORTS = ("http", "coap")
 LINGER_S = 600.0
 #: How far back each step re-reads stored status reports (late commits of a batch).
 CURSOR_OVERLAP_S = 30.0
+#: Status reports read per store query; a step reads pages until one is shorter.
+STATUS_PAGE = 10_000
 
 
 class RolloutError(FleetError):
@@ -233,6 +236,9 @@ class Orchestrator:
         self._sites: dict[str, str] = {}
         self._unsent: list[tuple[str, m.Command, str, bytes]] = []
         self._bad_docs: set[str] = set()
+        #: Requests taken from the store (which marks them done) and not yet applied in a
+        #: step whose saves all succeeded: applied again at the next step.
+        self._requests: list[tuple[str, str]] = []
 
     def _site(self, device: str) -> str | None:
         if device not in self._sites:
@@ -241,11 +247,23 @@ class Orchestrator:
         return self._sites.get(device)
 
     def step(self) -> list[m.Rollout]:
-        """Requests, new statuses, ticks, commands, saves. Returns the active rollouts."""
+        """Requests, new statuses, ticks, saves, commands. Returns the active rollouts.
+
+        One step is all or nothing for the cursor and the requests: they move on only when
+        every changed rollout was saved. A step that raises (a store error) leaves both
+        where they were, and the next step reads the same reports and applies the same
+        requests again on the stored state (the machine ignores what it applied already;
+        pause, resume and abort of a rollout in that state already change nothing).
+        Commands go out after their rollout's save: a failed save sends nothing of that
+        rollout, whose next step decides again.
+        """
         now = self.clock()
         # Stopped rollouts stay watched for a while: a device that reports a regression
         # late must still be told to roll back (machine.tick does that).
         recent = now - int(LINGER_S * 1e9)
+        # Kept until the saves succeed: the store marked them done when it handed them out.
+        self._requests += self.store.take_rollout_requests(now)
+        asked = {rid for rid, _ in self._requests}
         rollouts = {}
         for rid, state, doc in self.store.rollouts():
             try:
@@ -256,12 +274,14 @@ class Orchestrator:
                     self._bad_docs.add(rid)
                     log.error("rollout %s: its stored state is unreadable (%s); skipped", rid, exc)
                 continue
-            if state in ("running", "paused") or r.updated_ns >= recent:
+            # An operator's request is for any rollout: an abort of one halted long ago
+            # still sends rollback to its devices in flight.
+            if state in ("running", "paused") or r.updated_ns >= recent or rid in asked:
                 rollouts[rid] = (r, transport)
         changed: set[str] = set()
         commands: list[tuple[m.Rollout, str, m.Command]] = []
 
-        for rid, action in self.store.take_rollout_requests(now):
+        for rid, action in self._requests:
             if rid not in rollouts:
                 continue
             r, transport = rollouts[rid]
@@ -275,10 +295,11 @@ class Orchestrator:
             rollouts[rid] = (r, transport)
             changed.add(rid)
 
+        cursor = self.cursor
         if rollouts:
-            if self.cursor is None:
+            if cursor is None:
                 # After a (re)start: every status since the oldest active rollout began.
-                self.cursor = min(r.created_ns for r, _ in rollouts.values()) - 1
+                cursor = min(r.created_ns for r, _ in rollouts.values()) - 1
             # A device's report belongs to the rollout that holds that device for that
             # bundle: an active one first, then the newest (two rollouts may share a bundle).
             owners: dict[tuple[str, str], str] = {}
@@ -290,10 +311,11 @@ class Orchestrator:
                     owners[(r.bundle_id, device)] = rid
             # Rows are stamped on arrival and committed in batches (several workers, retries):
             # a row may land below the cursor. Re-reading a trailing window catches it; the
-            # machine ignores what it applied already ((boot_id, seq) order).
-            since = self.cursor - int(CURSOR_OVERLAP_S * 1e9)
-            for received, body in self.store.ota_status_since(since):
-                self.cursor = max(self.cursor, received)
+            # machine ignores what it applied already ((boot_id, seq) order). The window is
+            # read to its end, page by page, so no number of rows in it can hold the cursor.
+            since = cursor - int(CURSOR_OVERLAP_S * 1e9)
+            for received, body in self._statuses(since):
+                cursor = max(cursor, received)
                 try:
                     msg = decode("ota/status", body)
                 except WireError:
@@ -315,6 +337,8 @@ class Orchestrator:
                         state=msg.state,
                         reason=msg.reason,
                         detail=dict(msg.detail),
+                        t_ns=msg.t_ns,
+                        received_ns=received,
                         now_ns=now,
                     )
                 except (ValueError, TypeError, ArithmeticError) as exc:
@@ -337,6 +361,34 @@ class Orchestrator:
                     )
             commands += [(nxt, transport, c) for c in cmds]
 
+        saved: set[str] = set()
+        try:
+            for rid in sorted(changed):
+                r, transport = rollouts[rid]
+                doc = json.dumps({**r.to_json(), "transport": transport})
+                self.store.save_rollout(rid, r.state, doc, now)
+                saved.add(rid)
+        finally:
+            # Even when a later save failed: a saved rollout counts on its commands sent.
+            self._publish([(r, t, c) for r, t, c in commands if r.id in saved])
+        # Every save went through: the step is done.
+        self.cursor = cursor
+        self._requests = []
+        return [r for r, _ in rollouts.values() if r.state in ("running", "paused")]
+
+    def _statuses(self, since: int) -> Iterator[tuple[int, bytes]]:
+        """Every stored ``ota/status`` after ``since``, read in pages of :data:`STATUS_PAGE`
+        (keyset on ``(received_ns, body)``) until a page is short: a replay after a restart
+        holds one page in memory, not the whole backlog."""
+        page = self.store.ota_status_since(since, limit=STATUS_PAGE)
+        while True:
+            yield from page
+            if len(page) < STATUS_PAGE:
+                return
+            last, body = page[-1]
+            page = self.store.ota_status_since(last, limit=STATUS_PAGE, after=body)
+
+    def _publish(self, commands: list[tuple[m.Rollout, str, m.Command]]) -> None:
         unsent, self._unsent = self._unsent, []
         for rid, c, topic_name, payload in unsent:
             if self.publish(topic_name, payload):
@@ -345,11 +397,6 @@ class Orchestrator:
                 self._unsent.append((rid, c, topic_name, payload))
         for r, transport, c in commands:
             self._send(r, transport, c)
-        for rid in changed:
-            r, transport = rollouts[rid]
-            doc = json.dumps({**r.to_json(), "transport": transport})
-            self.store.save_rollout(rid, r.state, doc, now)
-        return [r for r, _ in rollouts.values() if r.state in ("running", "paused")]
 
     def _send(self, r: m.Rollout, transport: str, c: m.Command) -> None:
         site = self._site(c.device)

@@ -215,9 +215,18 @@ class Store(Protocol):
         """Pending ``(rollout_id, action)`` in order, marked done in the same transaction."""
         ...
 
-    def ota_status_since(self, received_ns: int, *, limit: int = 10_000) -> list[tuple[int, bytes]]:
-        """``(received_ns, body)`` of stored ``ota/status`` messages that arrived after
-        ``received_ns``, oldest first."""
+    def ota_status_since(
+        self, received_ns: int, *, limit: int = 10_000, after: bytes | None = None
+    ) -> list[tuple[int, bytes]]:
+        """``(received_ns, body)`` of stored ``ota/status`` messages, at most ``limit``, in
+        ``(received_ns, body)`` order: those that arrived after ``received_ns``, or with
+        ``after``, those after the row ``(received_ns, after)`` in that order.
+
+        A page of ``limit`` rows may end inside a run of rows stored at the same nanosecond:
+        read the next page with the last row's ``(received_ns, body)`` as ``(received_ns,
+        after)`` until a page is shorter than ``limit``. The body breaks ties because it
+        holds the message's device, boot id and seq (the row's key): two rows never have
+        the same, and if they did they would be the same report."""
         ...
 
     def ping(self) -> None:
