@@ -277,7 +277,7 @@ def test_gate_counts_only_devices_that_answered() -> None:
         sim.commit(d)
     sim.fail("a008", "incompatible", permanent=True)
     assert sim.tick(301) == []  # 8 of 9 answering is under 90 %
-    assert sim.r.reason == "wave 1: 8 of 9 answering devices committed (gate 90%; 1 timed out)"
+    assert sim.r.reason == "wave 1: 8 of 9 answering devices committed (gate 90%; 1 never answered)"
 
 
 def test_failure_threshold_only_after_min_devices() -> None:
@@ -572,7 +572,9 @@ def test_a_wave_where_nobody_answers_halts_instead_of_waiting_forever() -> None:
     sim.tick()
     assert sim.tick(120.5) == []
     assert sim.r.state == "halted"
-    assert sim.r.reason == ("wave 1: 0 of 0 answering devices committed (gate 95%; 3 timed out)")
+    assert sim.r.reason == (
+        "wave 1: 0 of 0 answering devices committed (gate 95%; 3 never answered)"
+    )
 
 
 def test_timed_out_devices_are_not_failures_for_the_threshold() -> None:
@@ -582,6 +584,37 @@ def test_timed_out_devices_are_not_failures_for_the_threshold() -> None:
     sim.commit("a000")
     assert sim.tick(11) == [Command("offer", "b000")]
     assert sim.r.counts(0) == {"committed": 1, "timed_out": 4}
+
+
+def test_a_device_silent_once_the_update_runs_is_a_failure_not_offline() -> None:
+    """Silence after activating (the update may have killed the agent) counts against the
+    gate and the threshold; silence while fetching is an offline device, left out."""
+    params = Params(device_timeout_s=10, min_devices=1, max_failure=0.0, success_gate=0.5)
+    sim = Sim(new_rollout([names("a", 3), ["b000"]], params))
+    sim.tick()
+    sim.commit("a000")
+    sim.say("a001", "fetching")  # then nothing: the network went
+    for st in ("fetching", "verifying", "staged", "activating", "probation"):
+        sim.say("a002", st)  # then nothing: running the new version
+    assert sim.tick(11) == []  # the failure threshold (0 %) trips on a002
+    assert sim.r.state == "halted"
+    assert "1 of 2 finished devices failed" in sim.r.reason
+    assert "a002" in sim.r.reason
+    d1, d2 = sim.r.devices["a001"], sim.r.devices["a002"]
+    assert (d1.state, d1.silent, d2.state, d2.silent) == ("timed_out", False, "timed_out", True)
+    assert "last reported: fetching)" in d1.reason
+    assert "last reported: probation; went silent running the update" in d2.reason
+
+    # Under the gate alone: 1 of 2 counted devices committed is under 60 %.
+    params = Params(device_timeout_s=10, min_devices=5, success_gate=0.6)
+    sim = Sim(new_rollout([names("a", 3), ["b000"]], params))
+    sim.tick()
+    sim.commit("a000")
+    sim.say("a002", "activating")
+    assert sim.tick(11) == []
+    assert sim.r.reason == (
+        "wave 1: 1 of 2 answering devices committed (gate 60%; 1 never answered)"
+    )
 
 
 def test_a_retry_gets_its_own_timeout() -> None:

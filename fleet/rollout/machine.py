@@ -18,7 +18,11 @@ broker or a sleep:
   exponential backoff, up to ``max_attempts``; a permanent one (bad signature,
   incompatible, not permitted, downgrade) never;
 - **timeouts** — a device that has not finished ``device_timeout_s`` after its offer is
-  ``timed_out``: it does not block its wave (a late report still counts);
+  ``timed_out``: it does not block its wave (a late report still counts). One that never
+  answered the offer, or went quiet while fetching or verifying, is taken for offline and
+  left out of the gate and the threshold; one that went silent once the new version was
+  running (``silent``: last report activating, probation, committing: the update may have
+  killed its agent) counts as a failure for both;
 - **duplicates** — a report is applied only if its ``(boot_id, seq)`` is newer than the last
   one applied for that device (a new boot id starts a new order; a report from a boot the
   device has left is old, and so is one from a boot never seen whose ``t_ns`` is older than
@@ -48,6 +52,9 @@ FAILURES = frozenset({"failed", "rolled_back"})
 IN_PROGRESS = frozenset(
     {"fetching", "verifying", "staged", "activating", "probation", "committing", "rolling_back"}
 )
+#: Device OTA states after the new version started running: silence from here on is
+#: likely the update's doing (an agent it killed), not a network that went away.
+RUNNING_NEW = frozenset({"activating", "probation", "committing", "rolling_back"})
 #: Failure codes worth another offer (ota.errors codes; the device says ``permanent`` too).
 TRANSIENT = frozenset({"fetch", "fetch_stalled", "interrupted", "busy", "storage", "apply"})
 
@@ -82,6 +89,8 @@ class DeviceRun:
     rollback_sent: bool = False
     #: Boot ids this device reported under before ``boot_id`` (newest last, bounded).
     old_boots: tuple[str, ...] = ()
+    #: Timed out after reporting the new version running (not merely offline): a failure.
+    silent: bool = False
     #: The device's ``t_ns`` of the newest report applied: orders a boot id never seen
     #: against ``boot_id`` (0: nothing applied yet, or a document from before this field).
     t_ns: int = 0
@@ -255,10 +264,10 @@ def on_status(
         devices[device] = d
         return replace(r, devices=devices, updated_ns=now_ns)
     code = str(detail.get("code", ""))
-    new: DeviceState
     if state in IN_PROGRESS:
-        new = "in_progress" if d.state not in FINISHED else d.state
-        d = replace(d, state=new)
+        if d.state not in FINISHED:
+            # The reason says how far it got (shown if it goes silent from here).
+            d = replace(d, state="in_progress", reason=state)
     elif state == "committed":
         d = replace(d, state="committed", reason=reason, regressed=_regressed(r.params, detail))
     elif state == "rolled_back":
@@ -360,17 +369,24 @@ def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
             d.state in ("offered", "in_progress")
             and now_ns - d.offered_ns > p.device_timeout_s * 1e9
         ):
+            silent = d.state == "in_progress" and d.reason in RUNNING_NEW
             devices[name] = replace(
                 d,
                 state="timed_out",
-                reason=f"no final status {p.device_timeout_s:g} s after the offer",
+                silent=silent,
+                reason=(
+                    f"no answer {p.device_timeout_s:g} s after the offer (offline?)"
+                    if d.state == "offered"
+                    else f"no final status {p.device_timeout_s:g} s after the offer (last "
+                    f"reported: {d.reason}{'; went silent running the update' if silent else ''})"
+                ),
             )
     r = replace(r, devices=devices)
 
     # Halting rules, over every device so far.
     regressed = [d for d in r.devices.values() if d.state == "committed" and d.regressed]
-    failed = [d for d in r.devices.values() if d.state in FAILURES]
-    finished = [d for d in r.devices.values() if d.state in FINISHED and d.state != "timed_out"]
+    failed = [d for d in r.devices.values() if _failed(d)]
+    finished = [d for d in r.devices.values() if _counted(d)]
     why = ""
     if regressed:
         names = ", ".join(sorted(d.device for d in regressed)[:5])
@@ -402,12 +418,12 @@ def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
         wave = [r.devices[n] for n in r.waves[r.wave]]
         if not all(d.state in FINISHED for d in wave):
             return r, cmds
-        answered = [d for d in wave if d.state != "timed_out"]
+        answered = [d for d in wave if _counted(d)]
         ok = sum(d.state == "committed" for d in answered)
         if not answered or ok < _share(p.success_gate, len(answered)):
             why = (
                 f"wave {r.wave + 1}: {ok} of {len(answered)} answering devices committed "
-                f"(gate {p.success_gate:.0%}; {len(wave) - len(answered)} timed out)"
+                f"(gate {p.success_gate:.0%}; {len(wave) - len(answered)} never answered)"
             )
             return _halt(r, now_ns, why, cmds)
         r = _log(r, now_ns, f"wave {r.wave + 1} passed: {ok}/{len(wave)} committed")
@@ -416,6 +432,15 @@ def tick(r: Rollout, now_ns: int) -> tuple[Rollout, list[Command]]:
     nxt = r.wave + 1
     r, more = _offer(replace(r, wave=nxt), list(r.waves[nxt]), now_ns)
     return _log(r, now_ns, f"wave {nxt + 1} started: {len(r.waves[nxt])} device(s)"), cmds + more
+
+
+def _failed(d: DeviceRun) -> bool:
+    return d.state in FAILURES or (d.state == "timed_out" and d.silent)
+
+
+def _counted(d: DeviceRun) -> bool:
+    """Finished and counted by the gate and the threshold: all but the never-answered."""
+    return d.state in FINISHED and (d.state != "timed_out" or d.silent)
 
 
 def _halt(r: Rollout, now_ns: int, why: str, cmds: list[Command]) -> tuple[Rollout, list[Command]]:
