@@ -232,7 +232,8 @@ class AgentOta:
 
     async def commit(self, target: Installed) -> None:
         if target.kind == "agent":
-            await asyncio.to_thread(self.slots().mark_good)
+            # The version: never vouch for whatever build the launcher went back to.
+            await asyncio.to_thread(self.slots().mark_good, target.version)
 
     async def restore(self, installed: Installed | None, store: ContentStore) -> bool:
         up = self.updater.journal.update

@@ -556,13 +556,23 @@ class Slots:
             self._hook("activate:saved")
             return new
 
-    def mark_good(self) -> SlotState:
-        """The active build passed probation: ``trying`` -> ``good``, boot_count reset."""
+    def mark_good(self, version: str | None = None) -> SlotState:
+        """The active build passed probation: ``trying`` -> ``good``, boot_count reset.
+
+        ``version`` is the build the caller means (the one whose probation passed): when
+        the active slot holds another, the launcher has gone back to the previous slot
+        since, and :class:`SlotNotReady` says so instead of vouching for the wrong build
+        (without it, an already good slot would be returned as if it were the new one)."""
         with self.locked():
             state = self.load()
             if state.active is None:
                 raise SlotNotReady(f"{self.root}: no active slot (the base install runs)")
             info = state.slot(state.active)
+            if version is not None and info.version != version:
+                raise SlotNotReady(
+                    f"{self.root}: {version} is not the active build: slot "
+                    f"{info.label(state.active)} is ({info.status})"
+                )
             if info.status == "good":
                 return state
             if info.status != "trying":

@@ -132,6 +132,14 @@ class StorageError(ApplyError):
     code = "storage"
 
 
+class FloorsUnknown(StorageError):
+    """The anti-rollback floors could be read from neither the journal nor the floors file:
+    every install is refused until an operator restores them (the device, not the bundle,
+    is at fault; the same offer succeeds once they are back)."""
+
+    code = "floors_unknown"
+
+
 class ActivationError(ApplyError):
     """The new version could not be switched in (the model or config did not load)."""
 

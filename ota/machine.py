@@ -7,7 +7,8 @@
       │                                       └──rejected───────────┴──> idle (failed)
     activating ──activated──> probation ──passed──> committing ──committed──> idle
         │                        │  └──abort / failed──> rolling_back ──rolled_back──> idle
-        └──activation_failed─────┴──────────────────────┘
+        └──activation_failed─────┴──────────────────────┘          ^
+                                                 committing ──failed──┘ (recovery, agent)
 
 :class:`Journal` is the whole persisted state: the state, the update in flight, and per
 kind the **active** version (the pointer: what runs), the versions kept for rollback and
@@ -19,7 +20,10 @@ are in one document, written atomically (:mod:`ota.journal`).
 start (after a crash): an interrupted fetch/verify/stage is dropped (the old version never
 stopped serving); an interrupted activation or a probation of a model/config is rolled
 back (its evidence died with the process); a probation of an agent build continues (the
-restart is part of activating it); an interrupted commit or rollback is finished.
+restart is part of activating it); an interrupted commit or rollback is finished. For an
+agent build, probation and commit both first check which build runs: if it is not the new
+one, the launcher gave up on the new slot, and the update is rolled back (recorded so),
+never committed.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     ("probation", "failed"): "rolling_back",
     ("probation", "abort"): "rolling_back",
     ("committing", "committed"): "idle",
+    # Only at recovery: an agent build's commit was interrupted and the launcher has gone
+    # back to the previous slot since (the new build failed its boots). Not committed.
+    ("committing", "failed"): "rolling_back",
     ("rolling_back", "rolled_back"): "idle",
     # A committed version can be rolled back by hand (edge-agent ota rollback).
     ("idle", "abort"): "rolling_back",
@@ -387,16 +394,25 @@ def recover(j: Journal, *, running_agent_version: str | None = None) -> tuple[Ac
     up = j.update
     if s == "activating":
         return "rollback", "interrupted while activating (the agent restarted)"
+    gave_up = _agent_gave_up(up, running_agent_version)
     if s == "probation":
+        if gave_up:
+            return "rollback", gave_up
         if up is not None and up.kind == "agent":
-            if running_agent_version is not None and up.version != running_agent_version:
-                return (
-                    "rollback",
-                    f"agent {up.version} did not become healthy (running {running_agent_version} "
-                    "again: the boot counter gave up on the new slot)",
-                )
             return "continue_probation", "new agent build started; probation continues"
         return "rollback", "interrupted during probation (the agent restarted)"
     if s == "committing":
+        if gave_up:
+            return "rollback", f"{gave_up}; its interrupted commit is not finished"
         return "finish_commit", ""
     return "finish_rollback", ""
+
+
+def _agent_gave_up(up: Update | None, running: str | None) -> str:
+    """Why the agent build of ``up`` is not the one running ("" if it is, or unknown)."""
+    if up is None or up.kind != "agent" or running is None or up.version == running:
+        return ""
+    return (
+        f"agent {up.version} did not become healthy (running {running} again: the boot "
+        "counter gave up on the new slot)"
+    )

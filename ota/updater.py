@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ota import journal as _journal
-from ota.errors import ActivationError, FetchError, MalformedBundle, OtaError, TrustError
+from ota.errors import (
+    ActivationError,
+    FetchError,
+    FloorsUnknown,
+    MalformedBundle,
+    OtaError,
+    StorageError,
+    TrustError,
+)
 from ota.fetch import redact_url
 from ota.fsutil import atomic_write
 from ota.machine import Event, Installed, Journal, Update, recover, step
@@ -97,6 +105,9 @@ class Updater:
         self.root_path = ota_dir / "root.json"
         self.journal = Journal()
         self.warning = ""
+        #: non-empty: the anti-rollback floors are unknown (:func:`ota.journal.load_state`);
+        #: every install is refused with this and nothing is persisted until an operator acts
+        self.refused = ""
         self._lock = asyncio.Lock()
         self._abort = asyncio.Event()
         self.last_probation: dict[str, Any] = {}
@@ -108,7 +119,8 @@ class Updater:
     def load(self) -> Journal:
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o750)
         self.store.ensure()
-        self.journal, self.warning = _journal.load(self.journal_path)
+        got = _journal.load_state(self.journal_path)
+        self.journal, self.warning, self.refused = got.journal, got.warning, got.refused
         return self.journal
 
     def now(self) -> datetime:
@@ -141,7 +153,19 @@ class Updater:
         detail: dict[str, Any] | None = None,
     ) -> Journal:
         nxt = step(self.journal, event, self.clock(), update=update, target=target, reason=reason)
-        _journal.save(self.journal_path, nxt)
+        if not self.refused:
+            if nxt.floors != self.journal.floors:
+                # Before the journal that raises them, so the floors file is never behind a
+                # committed journal. Failing to write it loses nothing yet: the journal still
+                # has them, and the next load writes the file again.
+                try:
+                    _journal.save_floors(_journal.floors_path(self.journal_path), nxt.floors)
+                except StorageError as exc:
+                    log.error("ota: %s", exc)
+            _journal.save(self.journal_path, nxt)
+        # else: the floors are unknown and the only transitions are an offer and its refusal;
+        # writing them would replace the damaged journal the operator has to look at (and a
+        # readable journal with no floors would pass for "no floors" at the next start).
         prev, self.journal = self.journal, nxt
         info = dict(detail or {})
         info.setdefault("event", event)
@@ -186,7 +210,9 @@ class Updater:
         # rollback / finish_rollback
         if self.journal.state == "activating":
             self._go("activation_failed", reason=why)
-        elif self.journal.state == "probation":
+        elif self.journal.state in ("probation", "committing"):
+            # committing: an agent build whose commit was interrupted, and the launcher has
+            # gone back to the previous slot since; the new build is not what runs.
             self._go("failed", reason=why)
         return await self._rollback(why)
 
@@ -233,6 +259,8 @@ class Updater:
         dest = self.store.incoming / incoming_name
         part = dest.with_name(dest.name + ".part")
         try:
+            if self.refused:  # before a byte is fetched: it could not be installed
+                raise FloorsUnknown(self.refused)
             if length > self.policy.max_bundle_bytes:
                 raise MalformedBundle(
                     f"{redact_url(url)}: the offer declares {length} bytes; this device's limit "
@@ -282,6 +310,8 @@ class Updater:
 
     async def _verify_and_apply(self, path: Path, *, keep_source: bool) -> Outcome:
         try:
+            if self.refused:
+                raise FloorsUnknown(self.refused)
             vb = await asyncio.to_thread(
                 verify_bundle,
                 path,

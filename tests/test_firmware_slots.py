@@ -275,6 +275,25 @@ def test_activate_mark_good_and_a_new_install_replacing_the_previous(
     expect_slot(good_a.root, "b", "0.2.0")
 
 
+def test_mark_good_of_a_build_the_launcher_gave_up_on_is_refused(
+    good_a: Slots, wheels: dict[str, Path]
+) -> None:
+    install(good_a, wheels["new"], "0.2.0")
+    good_a.activate("b")
+    # Its probation passed, but before it was marked good its boots ran out: the real
+    # launcher goes back to slot a (0.1.1), which is good already.
+    for _ in range(good_a.max_boots):
+        expect_slot(good_a.root, "b", "0.2.0")
+    expect_slot(good_a.root, "a", "0.1.1")
+    before = good_a.state_path.read_bytes()
+    with pytest.raises(SlotNotReady, match=r"0\.2\.0 is not the active build: slot a \(0\.1\.1\)"):
+        good_a.mark_good("0.2.0")
+    assert good_a.state_path.read_bytes() == before
+    state = good_a.mark_good("0.1.1")  # the build that runs: good already, unchanged
+    assert (state.active, state.a.status, state.b.status) == ("a", "good", "bad")
+    assert good_a.state_path.read_bytes() == before
+
+
 def test_install_is_refused_while_the_active_build_is_on_probation(
     good_a: Slots, wheels: dict[str, Path], real_wheel: Path, tmp_path: Path
 ) -> None:

@@ -320,6 +320,29 @@ def test_recover_agent_probation_rolls_back_when_the_old_build_runs() -> None:
     assert "running 1.2.0" in reason
 
 
+def test_recover_agent_commit_finishes_in_the_new_build() -> None:
+    committing = replace(_agent_probation(), state="committing")
+    assert recover(committing, running_agent_version="1.3.0") == ("finish_commit", "")
+    assert recover(committing) == ("finish_commit", "")  # nothing known about what runs
+
+
+def test_recover_agent_commit_rolls_back_when_the_old_build_runs() -> None:
+    # The new build passed, the commit was interrupted, and its next boots failed: the
+    # launcher went back to the previous slot. Committing it now would record a lie.
+    committing = replace(_agent_probation(), state="committing")
+    action, reason = recover(committing, running_agent_version="1.2.0")
+    assert action == "rollback"
+    assert "agent 1.3.0 did not become healthy" in reason
+    assert "running 1.2.0" in reason
+    assert "not finished" in reason
+    rolled = step(step(committing, "failed", T0, reason=reason), "rolled_back", T0 + 1)
+    assert rolled.state == "idle"
+    assert rolled.last is not None
+    assert rolled.last.result == "rolled_back"
+    assert rolled.floors == {}  # never raised for a build that did not commit
+    assert "agent" not in rolled.active  # the factory build it replaced
+
+
 # -- the journal's JSON ---------------------------------------------------------------------
 
 

@@ -14,18 +14,25 @@ import socket
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
+
 from edge_agent.config import AgentConfig, load_config
 from edge_agent.service import Agent
+from firmware.boot import ENV_SLOT, slot_env
+from firmware.slots import SlotName, Slots
 from fleet.artifacts import ArtifactServer, publish
 from models import load_model
 from ota import journal as ota_journal
-from ota.machine import Installed, Journal
+from ota.machine import Installed, Journal, Update
 from ota.store import ContentStore
 from ota.trust import load_root
 from ota.updater import download_name
 from ota.verify import Policy, verify_bundle
 from tests.ota_support import Signer, model_members
+from tests.test_firmware_slots import expect_slot, install, real_wheel, variant
 from tests.test_ota_agent import ota_config, run_agent, until
+
+__all__ = ["real_wheel"]  # the session fixture, shared with the slot tests
 
 
 def _config(tmp: Path, signer: Signer, old: str = "", new: str = "") -> AgentConfig:
@@ -184,6 +191,9 @@ def test_a_reoffer_under_the_same_bundle_id_never_resumes_another_files_part(
     (result, reason, served_b), _, _ = run_agent(cfg, port, channel, scenario)
     assert result == "committed", reason
     assert served_b
+    # The commit raised the floor in the floors file too, not only in the journal.
+    floors = ota_journal.floors_path(cfg.state_dir / "ota" / "journal.json")
+    assert json.loads(floors.read_bytes())["floors"] == {"model": 2}
 
 
 def test_a_manual_rollback_whose_kept_version_is_damaged_records_the_factory_model(
@@ -222,3 +232,171 @@ def test_a_manual_rollback_whose_kept_version_is_damaged_records_the_factory_mod
     on_disk, _ = ota_journal.load(up.journal_path)
     assert "model" not in on_disk.active
     assert up.status()["active"] == {}
+
+
+# -- the anti-rollback floors survive a damaged journal ---------------------------------------
+
+
+def _committed_v3(tmp_path: Path, signer: Signer, cfg: AgentConfig) -> Path:
+    """A device whose journal has model 1.3.0 committed (floor 3), as after a restart."""
+    store = ContentStore(cfg.state_dir / "ota" / "store")
+    store.ensure()
+    v3 = _verified(store, signer, _bundle(signer, tmp_path, "v3", 3))
+    path = cfg.state_dir / "ota" / "journal.json"
+    ota_journal.save(path, Journal(active={"model": v3}, floors={"model": 3}))
+    return path
+
+
+def test_a_damaged_journal_keeps_the_floors_and_an_older_bundle_is_refused_as_a_downgrade(
+    tmp_path: Path,
+) -> None:
+    signer = Signer()
+    cfg, _, _ = ota_config(tmp_path, signer)
+    path = _committed_v3(tmp_path, signer, cfg)
+    older = _bundle(signer, tmp_path, "v2", 2)  # signed, unexpired, below the floor
+    Agent(cfg)  # a start with the journal intact: its floors go to floors.json too
+    path.write_bytes(b'{"format": 1, "state": "idl')  # torn by a bad flash block
+
+    agent = Agent(cfg)
+    assert agent.ota is not None
+    up = agent.ota.updater
+    out = asyncio.run(up.install_file(older))
+    assert (out.result, out.code) == ("failed", "downgrade"), out
+    assert "floor 3" in out.reason
+    assert "unreadable" in up.warning
+    assert "floors kept from floors.json" in up.warning
+    assert up.journal.floors == {"model": 3}
+    assert "model" not in up.journal.active  # the factory model serves
+    assert list(path.parent.glob("journal.json.corrupt-*"))
+    # The new journal carries the floors again.
+    on_disk, _ = ota_journal.load(path)
+    assert on_disk.floors == {"model": 3}
+
+
+def test_a_damaged_floors_file_is_rewritten_from_the_journal(tmp_path: Path) -> None:
+    signer = Signer()
+    cfg, _, _ = ota_config(tmp_path, signer)
+    path = _committed_v3(tmp_path, signer, cfg)
+    floors = ota_journal.floors_path(path)
+    floors.write_bytes(b"\x00\x00garbage")
+
+    agent = Agent(cfg)
+    assert agent.ota is not None
+    up = agent.ota.updater
+    assert up.journal.floors == {"model": 3}
+    assert up.refused == ""
+    assert "rewritten from the journal" in up.warning
+    assert json.loads(floors.read_bytes()) == {"format": 1, "floors": {"model": 3}}
+    out = asyncio.run(up.install_file(_bundle(signer, tmp_path, "v2", 2)))
+    assert out.code == "downgrade", out
+
+
+def test_a_floors_file_ahead_of_the_journal_wins_and_is_never_lowered(tmp_path: Path) -> None:
+    signer = Signer()
+    cfg, _, _ = ota_config(tmp_path, signer)
+    path = _committed_v3(tmp_path, signer, cfg)
+    floors = ota_journal.floors_path(path)
+    # A commit whose floors file was written and whose journal was not (a power cut).
+    floors.write_text(json.dumps({"format": 1, "floors": {"model": 4, "config": 7}}))
+    journal, warning = ota_journal.load(path)
+    assert (journal.floors, warning) == ({"config": 7, "model": 4}, "")
+    ota_journal.save_floors(floors, {"model": 2})
+    assert json.loads(floors.read_bytes())["floors"] == {"config": 7, "model": 4}
+
+
+def test_with_journal_and_floors_both_unreadable_every_install_is_refused(
+    tmp_path: Path,
+) -> None:
+    signer = Signer()
+    cfg, _, _ = ota_config(tmp_path, signer)
+    path = _committed_v3(tmp_path, signer, cfg)
+    Agent(cfg)
+    floors = ota_journal.floors_path(path)
+    path.write_bytes(b"not json")
+    floors.write_bytes(b"[]")
+    newer = _bundle(signer, tmp_path, "v5", 5)  # a fine upgrade, and still refused
+
+    for _ in range(2):  # the refusal survives a restart: nothing was reset or rewritten
+        agent = Agent(cfg)  # the agent itself starts and serves (the factory model)
+        assert agent.ota is not None
+        assert agent.stage is not None
+        assert agent.stage.model.sha256 == load_model(cfg.reasoning.model_dir).sha256
+        up = agent.ota.updater
+        assert up.refused
+        out = asyncio.run(up.install_file(newer))
+        assert (out.result, out.code) == ("failed", "floors_unknown"), out
+        for needed in (str(path), str(floors), "stop the agent", "delete both files"):
+            assert needed in out.reason
+        assert up.journal.state == "idle"
+        assert up.journal.last is not None
+        assert up.journal.last.result == "failed"
+        assert up.refused in up.status()["warning"]
+        assert path.read_bytes() == b"not json"
+        assert floors.read_bytes() == b"[]"
+        assert not list(path.parent.glob("journal.json.corrupt-*"))
+
+    # The operator writes the floors back: installs resume, above them.
+    floors.write_text(json.dumps({"format": 1, "floors": {"model": 3}}))
+    agent = Agent(cfg)
+    assert agent.ota is not None
+    up = agent.ota.updater
+    assert (up.refused, up.journal.floors) == ("", {"model": 3})
+    out = asyncio.run(up.install_file(_bundle(signer, tmp_path, "v2", 2)))
+    assert out.code == "downgrade", out
+
+
+# -- an interrupted commit of an agent build the launcher gave up on ------------------------
+
+
+def test_an_interrupted_agent_commit_is_rolled_back_when_the_old_build_runs(
+    tmp_path: Path, real_wheel: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    signer = Signer()
+    cfg, _, _ = ota_config(tmp_path, signer)
+    slots = Slots(cfg.state_dir / "slots")
+    for version, slot in (("0.1.1", "a"), ("0.2.0", "b")):
+        wheel = variant(real_wheel, tmp_path / f"{version}.whl", version=version)
+        assert install(slots, wheel, version) == slot
+        slots.activate(slot)
+        if slot == "a":
+            slots.mark_good()
+    old = _agent(slots, "a", "0.1.1", 1)
+    new = _agent(slots, "b", "0.2.0", 2)
+    # 0.2.0 passed its probation; the agent died before the slot was marked good (state
+    # committing), and its next boots failed: the real launcher went back to slot a.
+    up = Update(
+        bundle_id=new.bundle_id, kind="agent", version=new.version, target=new, replaced=old
+    )
+    path = cfg.state_dir / "ota" / "journal.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ota_journal.save(path, Journal(state="committing", update=up, active={"agent": new},
+                                   floors={"agent": 1}))  # fmt: skip
+    for _ in range(slots.max_boots):
+        expect_slot(slots.root, "b", "0.2.0")
+    expect_slot(slots.root, "a", "0.1.1")
+    before = slots.state_path.read_bytes()
+    monkeypatch.setenv(ENV_SLOT, slot_env("a", slots.load()))
+
+    agent = Agent(cfg)  # the old build, started by the launcher from slot a
+    assert agent.ota is not None
+    asyncio.run(agent.ota.start())
+
+    j = agent.ota.updater.journal
+    assert j.state == "idle"
+    assert j.last is not None
+    assert j.last.result == "rolled_back", j.last
+    assert "agent 0.2.0 did not become healthy (running 0.1.1" in j.last.reason
+    assert j.active["agent"] == old
+    assert j.floors == {"agent": 1}  # not raised for a build that never committed
+    on_disk, _ = ota_journal.load(path)
+    assert (on_disk.active["agent"], on_disk.floors) == (old, {"agent": 1})
+    assert slots.state_path.read_bytes() == before  # a stays good, b stays bad
+
+
+def _agent(slots: Slots, slot: SlotName, version: str, counter: int) -> Installed:
+    info = slots.load().slot(slot)
+    assert info.sha256 is not None
+    return Installed(
+        f"agent-{version}", "agent", version, counter, "0" * 64,
+        {f"edgefleet-{version}-py3-none-any.whl": info.sha256},
+    )  # fmt: skip

@@ -114,8 +114,11 @@ def _idle(updater: Updater) -> bool:
 
 def test_the_fleet_service_restarted_mid_rollout_resumes(tmp_path: Path, broker: Mosquitto) -> None:
     with fleet(tmp_path, broker, 12) as f:
-        bundle, new_sha = model_bundle(f, "v2", probation={"seconds": 2, "min_windows": 5})
-        rid = f.create(bundle, waves=(0.25, 0.5, 1.0), min_devices=3)
+        # About resuming, not regressions: 12 agents share 2 CPUs here, and one agent's
+        # median may double in a busy second, so the latency rules are set out of reach.
+        probation = {"seconds": 2, "min_windows": 5, "regression_pct": 1000}
+        bundle, new_sha = model_bundle(f, "v2", probation=probation)
+        rid = f.create(bundle, waves=(0.25, 0.5, 1.0), min_devices=3, p99_regression_pct=1000)
         wait_for(lambda: f.rollout(rid).wave >= 1, 60, "wave 2 started")
         f.stop_service_now()
         time.sleep(3)  # devices finish wave 2 while nobody orchestrates
@@ -207,13 +210,27 @@ def test_a_slow_model_halts_at_the_first_wave_and_those_devices_roll_back(
         # 3 s at 10 windows/s: 30 windows, enough for the device's regression rule.
         bundle = f.signer.bundle(
             tmp_path / "v3.efb", members, version="3.0.0", counter=3,
-            probation={"seconds": 3, "min_windows": 5},
+            probation={"seconds": 3, "min_windows": 5, "p99_us": 250},
         )  # fmt: skip
+        # Two rules catch the slow model: its median against the device's own baseline
+        # (a baseline taken in a busy second on this shared 2-CPU VM can hide it) and the
+        # bundle's P99 limit (its per-window cost is ~220 µs median, ~340-440 µs at P99
+        # here): every wave-1 device rolls back by one or the other.
         rid = f.create(bundle, waves=(0.2, 1.0), min_devices=1, max_failure=0.0)
         r = f.wait_state(rid, {"completed", "halted"}, timeout=90)
         assert r.state == "halted", dump(r)
         wave1 = list(r.waves[0])
-        assert all(r.devices[n].state == "rolled_back" for n in wave1), dump(r)
-        assert all("latency regression" in r.devices[n].reason for n in wave1)
+        causes = ("latency regression", "over the bundle's limit", "rollback requested")
+        assert any(w in r.reason for w in causes[:2]), dump(r)
+        # The first failure halts (max_failure 0): a wave-1 device still in probation then
+        # is told to roll back by the halt, or finds the regression itself first.
+        wait_for(
+            lambda: all(f.rollout(rid).devices[n].state == "rolled_back" for n in wave1),
+            30,
+            "every wave-1 device rolled back",
+        )
+        r = f.rollout(rid)
+        reasons = [r.devices[n].reason for n in wave1]
+        assert all(any(w in t for w in causes) for t in reasons), reasons
         assert all(r.devices[n].attempts == 0 for n in r.waves[1]), "the halt held wave 2"
         wait_for(lambda: set(f.serving().values()) == {factory}, 20, "wave 1 back on factory")
