@@ -199,6 +199,29 @@ def counts_from(kinds: Sequence[Sequence[Any]], quarantined: int, devices: int) 
     return out
 
 
+def ota_status_page(
+    received_ns: int, limit: int, after: bytes | None, param: str
+) -> tuple[str, tuple[object, ...]]:
+    """One page of ``ota_status_since``: SQL (``param`` is the driver's placeholder) and its
+    arguments. Keyset paging on (received_ns, body): the (kind, received_ns) index gives the
+    order by arrival; only rows of the same nanosecond are sorted by body."""
+    n = check_limit(limit)
+    if after is None:
+        sql = (
+            "SELECT received_ns, body FROM messages WHERE kind = 'ota/status' "
+            "AND received_ns > ? ORDER BY received_ns, body LIMIT ?"
+        )
+        args: tuple[object, ...] = (received_ns, n)
+    else:
+        sql = (
+            "SELECT received_ns, body FROM messages WHERE kind = 'ota/status' "
+            "AND received_ns >= ? AND (received_ns > ? OR body > ?) "
+            "ORDER BY received_ns, body LIMIT ?"
+        )
+        args = (received_ns, received_ns, after, n)
+    return sql.replace("?", param), args
+
+
 def check_limit(limit: int) -> int:
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
         raise FleetStoreError(f"limit must be a non-negative int, got {limit!r}")

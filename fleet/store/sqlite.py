@@ -478,22 +478,7 @@ class SqliteStore:
     def ota_status_since(
         self, received_ns: int, *, limit: int = 10_000, after: bytes | None = None
     ) -> list[tuple[int, bytes]]:
-        # Keyset paging on (received_ns, body): the (kind, received_ns) index gives the
-        # order by arrival; only rows of the same nanosecond are sorted by body.
-        n = _common.check_limit(limit)
-        if after is None:
-            sql = (
-                "SELECT received_ns, body FROM messages WHERE kind = 'ota/status' "
-                "AND received_ns > ? ORDER BY received_ns, body LIMIT ?"
-            )
-            args: tuple[object, ...] = (received_ns, n)
-        else:
-            sql = (
-                "SELECT received_ns, body FROM messages WHERE kind = 'ota/status' "
-                "AND received_ns >= ? AND (received_ns > ? OR body > ?) "
-                "ORDER BY received_ns, body LIMIT ?"
-            )
-            args = (received_ns, received_ns, after, n)
+        sql, args = _common.ota_status_page(received_ns, limit, after, "?")
 
         def go(db: sqlite3.Connection) -> list[tuple[int, bytes]]:
             rows = db.execute(sql, args).fetchall()
