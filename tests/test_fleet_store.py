@@ -676,6 +676,23 @@ def test_counts(store: Store) -> None:
     }
 
 
+def test_rollout_requests_stay_pending_until_finished(store: Store) -> None:
+    store.add_rollout_request("r1", "pause", 10)
+    store.add_rollout_request("r2", "abort", 11)
+    store.add_rollout_request("r1", "resume", 12)
+    pending = store.pending_rollout_requests()
+    assert [(r, a) for _, r, a in pending] == [("r1", "pause"), ("r2", "abort"), ("r1", "resume")]
+    assert store.pending_rollout_requests() == pending  # reading marks nothing
+    store.finish_rollout_requests([pending[0][0], pending[1][0]], 20)
+    assert store.pending_rollout_requests() == [pending[2]]
+    store.finish_rollout_requests([pending[0][0]], 30)  # again: harmless
+    store.add_rollout_request("r2", "pause", 40)
+    assert [(r, a) for _, r, a in store.pending_rollout_requests()] == [
+        ("r1", "resume"),
+        ("r2", "pause"),
+    ]
+
+
 def test_postgres_store_reconnects_after_the_connection_drops(backend: Backend) -> None:
     if backend.name != "postgresql":
         # SQLite has no connection to lose; the same calls must simply keep working.

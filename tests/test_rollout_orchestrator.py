@@ -324,9 +324,12 @@ def test_a_failed_save_sends_nothing_of_that_step(tmp_path: Path) -> None:
     assert stored(store, "r1").devices["d0"].attempts == 1
 
 
+@pytest.mark.parametrize("restart", [False, True], ids=["same-process", "after-a-restart"])
 def test_a_request_taken_by_a_step_whose_save_fails_is_applied_by_the_next(
-    tmp_path: Path,
+    tmp_path: Path, restart: bool
 ) -> None:
+    """The request stays pending in the store until its rollout is saved: neither the next
+    step nor a restarted orchestrator (a crash between reading and saving) loses it."""
     store = sqlite_store(tmp_path, ["d0", "d1", "d2"])
     clock, broker = Clock(), Broker()
     add_rollout(store, "r1", [["d0"], ["d1", "d2"]], m.Params(min_devices=1), T0)
@@ -339,9 +342,13 @@ def test_a_request_taken_by_a_step_whose_save_fails_is_applied_by_the_next(
     store.fail = True
     with pytest.raises(FleetStoreError):
         orch.step()
+    assert [a for _, _, a in store.pending_rollout_requests()] == ["pause"]
     store.fail = False
+    if restart:
+        orch = orchestrator(store, clock, broker)
     clock.at(3)
     orch.step()
+    assert store.pending_rollout_requests() == []
     r = stored(store, "r1")
     assert r.state == "paused"
     assert r.devices["d0"].state == "committed"

@@ -236,9 +236,6 @@ class Orchestrator:
         self._sites: dict[str, str] = {}
         self._unsent: list[tuple[str, m.Command, str, bytes]] = []
         self._bad_docs: set[str] = set()
-        #: Requests taken from the store (which marks them done) and not yet applied in a
-        #: step whose saves all succeeded: applied again at the next step.
-        self._requests: list[tuple[str, str]] = []
 
     def _site(self, device: str) -> str | None:
         if device not in self._sites:
@@ -261,9 +258,9 @@ class Orchestrator:
         # Stopped rollouts stay watched for a while: a device that reports a regression
         # late must still be told to roll back (machine.tick does that).
         recent = now - int(LINGER_S * 1e9)
-        # Kept until the saves succeed: the store marked them done when it handed them out.
-        self._requests += self.store.take_rollout_requests(now)
-        asked = {rid for rid, _ in self._requests}
+        # Marked done only after the saves: a step that fails (or a crash) applies them again.
+        requests = self.store.pending_rollout_requests()
+        asked = {rid for _, rid, _ in requests}
         rollouts = {}
         for rid, state, doc in self.store.rollouts():
             try:
@@ -281,7 +278,7 @@ class Orchestrator:
         changed: set[str] = set()
         commands: list[tuple[m.Rollout, str, m.Command]] = []
 
-        for rid, action in self._requests:
+        for _, rid, action in requests:
             if rid not in rollouts:
                 continue
             r, transport = rollouts[rid]
@@ -372,8 +369,9 @@ class Orchestrator:
             # Even when a later save failed: a saved rollout counts on its commands sent.
             self._publish([(r, t, c) for r, t, c in commands if r.id in saved])
         # Every save went through: the step is done.
+        if requests:
+            self.store.finish_rollout_requests([i for i, _, _ in requests], now)
         self.cursor = cursor
-        self._requests = []
         return [r for r, _ in rollouts.values() if r.state in ("running", "paused")]
 
     def _statuses(self, since: int) -> Iterator[tuple[int, bytes]]:

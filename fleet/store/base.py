@@ -211,8 +211,18 @@ class Store(Protocol):
 
     def add_rollout_request(self, rollout_id: str, action: str, now_ns: int) -> None: ...
 
-    def take_rollout_requests(self, now_ns: int) -> list[tuple[str, str]]:
-        """Pending ``(rollout_id, action)`` in order, marked done in the same transaction."""
+    def pending_rollout_requests(self) -> list[tuple[int, str, str]]:
+        """``(id, rollout_id, action)`` of the requests not yet applied, in the order made.
+
+        Reading marks nothing: the orchestrator marks them with
+        :meth:`finish_rollout_requests` once the rollouts they changed are saved, so a
+        crash in between applies them again (every action is idempotent) instead of
+        losing them.
+        """
+        ...
+
+    def finish_rollout_requests(self, ids: Sequence[int], now_ns: int) -> None:
+        """Mark requests applied (their rollouts' new state is saved)."""
         ...
 
     def ota_status_since(

@@ -485,20 +485,26 @@ class PostgresStore:
 
         self._run("add_rollout_request", go)
 
-    def take_rollout_requests(self, now_ns: int) -> list[tuple[str, str]]:
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> list[tuple[str, str]]:
-            with db.transaction(), db.cursor() as cur:
-                rows = cur.execute(
+    def pending_rollout_requests(self) -> list[tuple[int, str, str]]:
+        def go(db: psycopg.Connection[tuple[Any, ...]]) -> list[tuple[int, str, str]]:
+            with db.transaction():
+                rows = db.execute(
                     "SELECT id, rollout_id, action FROM rollout_requests "
-                    "WHERE done_ns IS NULL ORDER BY id FOR UPDATE"
+                    "WHERE done_ns IS NULL ORDER BY id"
                 ).fetchall()
-                cur.executemany(
-                    "UPDATE rollout_requests SET done_ns = %s WHERE id = %s",
-                    [(now_ns, r[0]) for r in rows],
-                )
-            return [(r[1], r[2]) for r in rows]
+            return [(int(r[0]), r[1], r[2]) for r in rows]
 
-        return self._run("take_rollout_requests", go)
+        return self._run("pending_rollout_requests", go)
+
+    def finish_rollout_requests(self, ids: Sequence[int], now_ns: int) -> None:
+        def go(db: psycopg.Connection[tuple[Any, ...]]) -> None:
+            with db.transaction(), db.cursor() as cur:
+                cur.executemany(
+                    "UPDATE rollout_requests SET done_ns = %s WHERE id = %s AND done_ns IS NULL",
+                    [(now_ns, i) for i in ids],
+                )
+
+        self._run("finish_rollout_requests", go)
 
     def ota_status_since(
         self, received_ns: int, *, limit: int = 10_000, after: bytes | None = None

@@ -460,20 +460,25 @@ class SqliteStore:
 
         self._run("add_rollout_request", go)
 
-    def take_rollout_requests(self, now_ns: int) -> list[tuple[str, str]]:
-        def go(db: sqlite3.Connection) -> list[tuple[str, str]]:
-            with self._write(db):
-                rows = db.execute(
-                    "SELECT id, rollout_id, action FROM rollout_requests "
-                    "WHERE done_ns IS NULL ORDER BY id"
-                ).fetchall()
-                db.executemany(
-                    "UPDATE rollout_requests SET done_ns = ? WHERE id = ?",
-                    [(now_ns, r[0]) for r in rows],
-                )
-            return [(r[1], r[2]) for r in rows]
+    def pending_rollout_requests(self) -> list[tuple[int, str, str]]:
+        def go(db: sqlite3.Connection) -> list[tuple[int, str, str]]:
+            rows = db.execute(
+                "SELECT id, rollout_id, action FROM rollout_requests "
+                "WHERE done_ns IS NULL ORDER BY id"
+            ).fetchall()
+            return [(int(r[0]), r[1], r[2]) for r in rows]
 
-        return self._run("take_rollout_requests", go)
+        return self._run("pending_rollout_requests", go)
+
+    def finish_rollout_requests(self, ids: Sequence[int], now_ns: int) -> None:
+        def go(db: sqlite3.Connection) -> None:
+            with self._write(db):
+                db.executemany(
+                    "UPDATE rollout_requests SET done_ns = ? WHERE id = ? AND done_ns IS NULL",
+                    [(now_ns, i) for i in ids],
+                )
+
+        self._run("finish_rollout_requests", go)
 
     def ota_status_since(
         self, received_ns: int, *, limit: int = 10_000, after: bytes | None = None
