@@ -36,6 +36,7 @@ from aiocoap.numbers.codes import Code
 from aiohttp import web
 
 from fleet.errors import ArtifactError
+from ota.fsutil import fsync_dir
 
 __all__ = ["BUNDLE_SUFFIX", "ArtifactServer", "ArtifactStats", "bundle_path", "publish"]
 
@@ -78,11 +79,7 @@ def publish(directory: Path, source: Path) -> str:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_dir(directory)
     except OSError as exc:
         raise ArtifactError(f"cannot publish {source} into {directory}: {exc}") from exc
     return sha
