@@ -67,6 +67,10 @@ def ota_dir(state_dir: Path) -> Path:
     return state_dir / "ota"
 
 
+#: The key of the model that came with the image in :attr:`AgentOta._retired`.
+FACTORY = "factory"
+
+
 def _model_dir_name(tflite_sha: str, meta_sha: str) -> str:
     """``<tflite sha[:16]>-<model.json sha[:16]>``: what :meth:`AgentOta._prune` parses."""
     return f"{tflite_sha[:16]}-{meta_sha[:16]}"
@@ -101,8 +105,12 @@ class AgentOta:
         self._runs = 0
         self._windows = 0
         self._errors0 = 0
-        #: Models replaced by a swap, by sha: a rollback swaps back without reloading.
+        #: Models replaced by a swap, by :func:`_model_dir_name` of both payloads (or
+        #: ``"factory"``): a rollback swaps back without reloading. The tflite sha alone
+        #: is not enough: a bundle may change only ``model.json`` (thresholds, labels).
         self._retired: dict[str, Scorer] = {}
+        #: The key of the model serving now (set by the agent when it starts on an OTA one).
+        self.serving_model = FACTORY
         self._pending: list[tuple[Journal, str, dict[str, Any]]] = []
         self._task: asyncio.Task[Outcome | None] | None = None
         self._background: set[asyncio.Task[Outcome]] = set()
@@ -195,7 +203,8 @@ class AgentOta:
                 old = await self.agent.reload_model(where)
             except ReasoningError as exc:
                 raise ActivationError(str(exc)) from None
-            self._retired[old.sha256] = old
+            self._retired[self.serving_model] = old
+            self.serving_model = where.name
             self._target_sha = target.payloads["model.tflite"]
             return True
         if target.kind == "config":
@@ -249,14 +258,17 @@ class AgentOta:
         stage = self.agent.stage
         if stage is None:
             return True
-        want = installed.payloads["model.tflite"] if installed is not None else None
-        if want is None:
-            old = self._retired.get(self.factory_sha) if self.factory_sha else None
-        else:
-            old = self._retired.get(want)
+        want = (
+            _model_dir_name(installed.payloads["model.tflite"], installed.payloads["model.json"])
+            if installed is not None
+            else FACTORY
+        )
+        old = self._retired.get(want)
         if old is not None:
             prepared = await asyncio.to_thread(stage.prepare, old)
-            stage.swap(prepared)
+            replaced = stage.swap(prepared)
+            self._retired[self.serving_model] = replaced
+            self.serving_model = want
             return True
         where = (
             await asyncio.to_thread(self._materialise_model, installed, store)
@@ -267,6 +279,7 @@ class AgentOta:
             await self.agent.reload_model(where)
         except ReasoningError as exc:
             raise ActivationError(f"cannot bring back the previous model: {exc}") from None
+        self.serving_model = want
         return True
 
     def _restore_agent(self, installed: Installed | None, reason: str) -> bool:
@@ -425,11 +438,12 @@ class AgentOta:
         """Forget models nothing can come back to: only the live, the kept and the factory
         ones stay in memory and under ``ota/models``."""
         keep = j.payloads_in_use() | {self.factory_sha, self.agent._model_sha256()}
-        for sha in [s for s in self._retired if s not in keep]:
-            del self._retired[sha]
+        prefixes = {s[:16] for s in keep}
+        for key in list(self._retired):
+            if key != FACTORY and not set(key.split("-")) <= prefixes:
+                del self._retired[key]
         models = self.dir / "models"
         if models.is_dir():
-            prefixes = {s[:16] for s in keep}
             for d in models.iterdir():
                 if d.is_dir() and not set(d.name.split("-")) <= prefixes:
                     shutil.rmtree(d, ignore_errors=True)

@@ -253,9 +253,13 @@ class Agent:
         if ota_model is not None:
             ota_config = replace(config, reasoning=replace(config.reasoning, model_dir=ota_model))
             try:
-                return build_stage(ota_config)
+                stage = build_stage(ota_config)
             except ReasoningError as exc:
                 log.error("ota: the active OTA model does not load (%s); the factory one runs", exc)
+            else:
+                if self.ota is not None:
+                    self.ota.serving_model = ota_model.name
+                return stage
         stage = build_stage(config)
         if self.ota is not None:
             self.ota.factory_sha = stage.model.sha256

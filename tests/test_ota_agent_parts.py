@@ -16,6 +16,8 @@ import pytest
 from edge_agent.config import load_config
 from edge_agent.ota import _health_url
 from edge_agent.service import Agent
+from models import DEFAULT_MODEL_DIR
+from ota import build
 from ota.machine import Installed
 from ota.verify import verify_bundle
 from tests.ota_support import Signer, model_members
@@ -85,6 +87,52 @@ def test_a_bundle_changing_only_model_json_serves_its_own_manifest(tmp_path: Pat
         json.loads((d / "manifest.json").read_bytes())["thresholds"]["drift"] for d in dirs
     )
     assert drifts == [0.91, 0.93]
+
+
+def test_a_rollback_brings_back_the_manifest_it_names_when_models_share_a_tflite(
+    tmp_path: Path,
+) -> None:
+    """The factory model and two bundles with the same .tflite and their own thresholds:
+    every restore serves the manifest of the version it restores (the models kept in
+    memory were keyed by the .tflite alone, so the factory came back with 1.1.0's)."""
+    signer = Signer()
+    cfg, _, _ = ota_config(tmp_path, signer)
+    # The factory model's own payloads: the same .tflite bytes.
+    model_dir = cfg.reasoning.model_dir or DEFAULT_MODEL_DIR
+    (tflite_name, tflite), (_, model_json) = build.model_bundle_payloads(model_dir)
+    bundles = [
+        signer.bundle(
+            tmp_path / f"m{i}.efb",
+            [(tflite_name, tflite), ("model.json", _with_thresholds(model_json, drift))],
+            version=f"1.{i}.0",
+            counter=i + 1,
+        )
+        for i, drift in ((1, 0.91), (2, 0.93))
+    ]
+    agent = Agent(cfg)
+    assert agent.ota is not None
+    assert agent.stage is not None
+    factory = agent.stage.model
+    assert factory.sha256 == agent.ota.factory_sha
+    factory_drift = factory.manifest.thresholds["drift"]
+    assert factory_drift not in (0.91, 0.93)
+    store = agent.ota.updater.store
+    served: list[float] = []
+
+    async def main() -> None:
+        assert agent.ota is not None
+        assert agent.stage is not None
+        inst = [_installed(agent, b) for b in bundles]
+        assert all(i.payloads[tflite_name] == factory.sha256 for i in inst)
+        for i in inst:
+            assert await agent.ota.activate(i, store)
+        for back in (inst[0], None, inst[1], None):
+            assert await agent.ota.restore(back, store)
+            served.append(agent.stage.model.manifest.thresholds["drift"])
+
+    asyncio.run(main())
+    assert served == [0.91, factory_drift, 0.93, factory_drift]
+    assert agent.stage.model is factory  # swapped back from memory, not reloaded
 
 
 @pytest.mark.parametrize(
