@@ -14,7 +14,12 @@ import pytest
 from pymodbus import FramerType
 
 from drivers.buffer import SampleBuffer
-from drivers.errors import ModbusConnectionError, ModbusExceptionResponse, ModbusTimeout
+from drivers.errors import (
+    ModbusConnectionError,
+    ModbusError,
+    ModbusExceptionResponse,
+    ModbusTimeout,
+)
 from drivers.modbus.client import ModbusClient
 from drivers.modbus.poller import ModbusSource
 from drivers.source import Source, open_source
@@ -65,6 +70,49 @@ def test_client_maps_pymodbus_failures_to_our_errors() -> None:
         async with ModbusClient(_spec(peer.port)) as client:  # server gone: refused
             with pytest.raises(ModbusConnectionError):
                 await client.read("holding", 1, 0, 1)
+
+    asyncio.run(main())
+
+
+def test_a_reply_of_another_function_is_an_error_not_data() -> None:
+    """A gateway that answers a holding-register read with an input-register reply of the
+    right length (pymodbus pairs replies by transaction id only): refused, not decoded."""
+
+    def reply(tid: int, uid: int, fc: int, regs: list[int]) -> bytes:
+        pdu = bytes([fc, 2 * len(regs)]) + b"".join(r.to_bytes(2, "big") for r in regs)
+        return (
+            tid.to_bytes(2, "big")
+            + b"\0\0"
+            + (len(pdu) + 1).to_bytes(2, "big")
+            + bytes([uid])
+            + pdu
+        )
+
+    async def gateway(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        n = 0
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readexactly(7)
+                tid, uid = int.from_bytes(head[:2], "big"), head[6]
+                body = await reader.readexactly(int.from_bytes(head[4:6], "big") - 1)
+                fc, count = body[0], int.from_bytes(body[3:5], "big")
+                n += 1
+                wrong = n == 2
+                writer.write(reply(tid, uid, 4 if wrong else fc, [0xDEAD if wrong else 7] * count))
+                await writer.drain()
+
+    async def main() -> None:
+        server = await asyncio.start_server(gateway, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with ModbusClient(_spec(port, timeout_ms=300)) as client:
+                assert await client.read("holding", 1, 0, 2) == [7, 7]
+                with pytest.raises(ModbusError, match="function code 4 to a holding read"):
+                    await client.read("holding", 1, 0, 2)
+                assert await client.read("holding", 1, 0, 2) == [7, 7]  # still usable
+        finally:
+            server.close()
+            await server.wait_closed()
 
     asyncio.run(main())
 

@@ -65,6 +65,15 @@ except ImportError:  # pragma: no cover - not a POSIX host
     pass
 
 
+#: The function code each read sends, which its reply must carry.
+_FUNCTION_CODES: dict[RegisterFunction, int] = {
+    "coil": 1,
+    "discrete_input": 2,
+    "holding": 3,
+    "input": 4,
+}
+
+
 class ModbusClient:
     """One connection to one Modbus port (TCP endpoint or RTU serial line).
 
@@ -174,6 +183,15 @@ class ModbusClient:
                 )
             raise ModbusError(
                 f"unit {unit} returned an error reply {reply}", unit=unit, address=address
+            )
+        if reply.function_code != _FUNCTION_CODES[function]:
+            # pymodbus pairs a reply with its request by transaction and unit id only (and
+            # RTU has no transaction id): a reply to another function must not become data.
+            raise ModbusError(
+                f"unit {unit} answered function code {reply.function_code} to a {function} "
+                f"read (function code {_FUNCTION_CODES[function]}) of {address}+{count}",
+                unit=unit,
+                address=address,
             )
         if function in ("holding", "input"):
             registers = reply.registers
