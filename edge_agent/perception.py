@@ -114,6 +114,8 @@ class PerceptionStats:
     non_finite: int = 0
     windows: int = 0
     windows_skipped: int = 0
+    #: Times the clock was found stepped back behind the emitted windows (see advance()).
+    clock_steps: int = 0
     unknown_names: set[str] = field(default_factory=set)
 
 
@@ -305,11 +307,23 @@ class Aligner:
         After a long stall (a suspended process, a clock step) at most
         ``max_catch_up_windows`` of the most recent windows are built; older ones are
         skipped and counted in ``windows_skipped`` rather than flooding the pipeline.
+
+        A clock stepped back by more than a window span (NTP, an RTC set late) leaves every
+        new sample stamped before the windows already out: each would be late, and no
+        window would be due, for as long as the step. Instead the grid starts over from
+        the next sample (counted in ``clock_steps``); the samples held, stamped by the old
+        clock, are dropped with it.
         """
-        if self._next_start is None:
-            return []
         spec, period = self.spec, self._period
         span = (spec.window - 1) * period
+        horizon = self._horizon_ns
+        if horizon is not None and horizon - (now_ns - self._lateness) > span:
+            self.stats.clock_steps += 1
+            self._tracks = [_Track() for _ in spec.signals]
+            self._next_start = self._horizon_ns = self._prev_start = None
+            return []
+        if self._next_start is None:
+            return []
 
         def due(start_index: int) -> bool:
             return start_index * period + span + self._lateness <= now_ns

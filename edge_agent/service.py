@@ -820,6 +820,7 @@ class Agent:
                 "unknown_signal": st.unknown_signal,
                 "non_finite": st.non_finite,
                 "windows_skipped": st.windows_skipped,
+                "clock_steps": st.clock_steps,
                 "budget_overruns": self.report.perception_overruns,
             },
             "queues": {

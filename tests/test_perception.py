@@ -144,6 +144,39 @@ def test_catch_up_after_a_stall_is_bounded_and_counted() -> None:
     assert windows[-1].end_ns + 20 * MS <= T0 + 10_000 * MS
 
 
+def run_stream(al: Aligner, start_ns: int, n: int) -> list[Window]:
+    """``n`` ticks of 10 ms from ``start_ns``: one sample of each signal, then advance."""
+    out: list[Window] = []
+    for k in range(n):
+        t = start_ns + k * 10 * MS
+        al.push_many([Sample("a", float(k), t), Sample("b", float(k), t)])
+        out += al.advance(t)
+    return out
+
+
+def test_a_clock_stepped_back_restarts_the_grid_instead_of_dropping_everything() -> None:
+    al = Aligner(spec())
+    before = run_stream(al, T0, 100)
+    assert len(before) >= 20
+    assert al.stats.late_dropped == 0
+    # The clock steps back 30 s: samples and now both come from the new clock.
+    back = T0 + 1000 * MS - 30_000 * MS
+    after = run_stream(al, back, 100)
+    assert al.stats.clock_steps == 1
+    # Windows again within a window span and the lateness of the step, on the new clock.
+    assert len(after) >= len(before) - 3
+    assert after[0].start_ns >= back
+    assert after[0].start_ns <= back + 80 * MS
+    assert after[0].seq == before[-1].seq + 1
+    assert not after[-1].stale.any()
+    assert al.stats.late_dropped <= 2 * 2  # at most the samples before the next advance
+    # A step back shorter than a window span is ridden out as late samples, not a restart.
+    short = Aligner(spec())
+    run_stream(short, T0, 50)
+    run_stream(short, T0 + 500 * MS - 30 * MS, 50)
+    assert short.stats.clock_steps == 0
+
+
 def test_unknown_and_non_finite_samples_are_counted() -> None:
     al = Aligner(spec())
     al.push(Sample("nope", 1.0, T0))
