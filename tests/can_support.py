@@ -11,8 +11,8 @@ import pytest
 from cantools.database.can import Database as CanDatabase
 
 REPO = Path(__file__).resolve().parents[1]
-#: The real Subaru capture lives next to the checkout (``../shared`` in CI), not in it.
-SUBARU_DIR = REPO / ".." / "shared" / "data" / "can" / "subaru-wrx"
+#: The real Subaru capture, copied into the repository (source, license, sha256: its README).
+SUBARU_DIR = REPO / "tests" / "data" / "can" / "subaru-wrx"
 SUBARU_LOG = SUBARU_DIR / "can_sample_t34-54s.log"
 SUBARU_DBC = SUBARU_DIR / "sample_can_spec.dbc"
 SYNTHETIC_DBC = REPO / "tests" / "data" / "synthetic.dbc"
@@ -28,7 +28,7 @@ def require_subaru() -> tuple[Path, Path]:
     """The capture and its DBC; a missing file fails the test (it must not skip silently)."""
     for path in (SUBARU_LOG, SUBARU_DBC):
         if not path.is_file():
-            pytest.fail(f"test data missing: {path.resolve()} (expected ../shared/data/can)")
+            pytest.fail(f"test data missing: {path.resolve()} (part of the repository)")
     return SUBARU_LOG, SUBARU_DBC
 
 

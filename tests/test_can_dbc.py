@@ -1,7 +1,9 @@
 """DBC loading and decoding, checked against cantools and against hand-computed bytes."""
 
+import hashlib
 import logging
 import math
+import re
 import struct
 from collections import Counter
 from pathlib import Path
@@ -16,8 +18,11 @@ from drivers.can.dbc import MAX_TRACKED_UNKNOWN_IDS, FrameDecoder, load_dbc
 from drivers.errors import DriverConfigError
 from drivers.sample import Sample
 from tests.can_support import (
+    SUBARU_DBC,
+    SUBARU_DIR,
     SUBARU_FRAMES,
     SUBARU_IN_DBC_FRAMES,
+    SUBARU_LOG,
     SUBARU_UNKNOWN_IDS,
     SYNTHETIC_DBC,
     load_db,
@@ -249,3 +254,14 @@ def test_load_errors_name_the_file(tmp_path: Path, content: str | None, expect: 
 def test_directory_is_not_a_dbc(tmp_path: Path) -> None:
     with pytest.raises(DriverConfigError, match="cannot read"):
         load_dbc(tmp_path)
+
+
+def test_the_copied_capture_is_the_one_its_readme_describes() -> None:
+    """The data lives in the repository (a clone alone must pass); its README states the
+    source, the license and each file's sha256, which the files must still match."""
+    readme = (SUBARU_DIR / "README.md").read_text()
+    listed = dict(re.findall(r"\| `([^`]+)` \|[^|]*\| `([0-9a-f]{64})` \|", readme))
+    assert set(listed) == {SUBARU_LOG.name, SUBARU_DBC.name}
+    for name, digest in listed.items():
+        assert hashlib.sha256((SUBARU_DIR / name).read_bytes()).hexdigest() == digest, name
+    assert "WTFPL" in readme
