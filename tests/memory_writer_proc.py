@@ -27,12 +27,14 @@ POINTS = 64
 
 def main(state_dir: Path, start_ns: int) -> None:
     cfg = MemorySection(commit_interval_ms=10, batch_max_rows=100_000, snapshot_interval_s=0)
-    stage = MemoryStage(cfg, SIGNALS, state_dir=state_dir)
+    t = start_ns
+    # The store's clock follows the data, which starts in 2023: on the wall clock, TTL aging
+    # would delete rows while the test counts them.
+    stage = MemoryStage(cfg, SIGNALS, state_dir=state_dir, clock_ns=lambda: t)
     rng = np.random.default_rng(start_ns % 1000)
     asyncio.run(stage.start())  # opens the store and starts the writer thread
     writer = stage._writer
     assert writer is not None
-    t = start_ns
     seq = 0
     zeros = np.zeros(len(SIGNALS), dtype=np.float32)
     while True:

@@ -119,7 +119,7 @@ class PipelineView:
 async def serving(
     tmp_path: Path, model: LoadedModel, **section: Any
 ) -> AsyncIterator[tuple[PipelineView, str, aiohttp.ClientSession]]:
-    memory = MemoryStage(config(), SIGNALS, state_dir=tmp_path)
+    memory = MemoryStage(config(), SIGNALS, state_dir=tmp_path, clock_ns=lambda: T0_NS)
     view = PipelineView(memory, ReasoningStage(model, RuleSet(), perception=SPEC))
     async with (
         memory,

@@ -244,7 +244,11 @@ def test_run_survives_failing_snapshots_and_counts_them(tmp_path: Path) -> None:
 
     async def main() -> None:
         st = MemoryStage(
-            config(snapshot_interval_s=0.2), SIG, state_dir=tmp_path, snapshot_dir=snaps
+            config(snapshot_interval_s=0.2),
+            SIG,
+            state_dir=tmp_path,
+            snapshot_dir=snaps,
+            clock_ns=lambda: T0,
         )
         async with st:
             feed(st, random_walk(np.random.default_rng(2), 3, 2), SIG)

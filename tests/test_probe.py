@@ -351,7 +351,14 @@ def test_memory_probe_writes_nothing_and_keeps_working_memory(
     tmp_path: Path, windows: list[Window]
 ) -> None:
     async def main() -> None:
-        st = MemoryStage(config(ring_windows=4), SIGNALS, state_dir=tmp_path)
+        # The store's clock follows the data (2023): with the wall clock, TTL aging could
+        # delete these windows' rows between the two counts.
+        st = MemoryStage(
+            config(ring_windows=4),
+            SIGNALS,
+            state_dir=tmp_path,
+            clock_ns=lambda: windows[5].end_ns,
+        )
         async with st:
             for w in windows[:6]:
                 st.process(w, {"label": "normal"}, now_ns=w.end_ns)
@@ -408,7 +415,9 @@ def test_run_probe_times_each_stage(
     tmp_path: Path, model: LoadedModel, windows: list[Window]
 ) -> None:
     async def main() -> None:
-        memory = MemoryStage(config(), SIGNALS, state_dir=tmp_path)
+        memory = MemoryStage(
+            config(), SIGNALS, state_dir=tmp_path, clock_ns=lambda: windows[5].end_ns
+        )
         reasoning = stage(model)
         async with memory:
             last = windows[5]
