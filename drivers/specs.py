@@ -127,7 +127,8 @@ class ReplaySpec:
     """Play a candump ``.log`` or Vector ``.asc`` capture through a DBC.
 
     ``speed`` scales recorded time (1.0 = as recorded, 0 = as fast as possible); ``loop``
-    starts over at the end.
+    starts over at the end. A malformed line is skipped and counted, or with ``strict``
+    stops the replay.
     """
 
     name: str
@@ -137,3 +138,4 @@ class ReplaySpec:
     loop: bool = False
     signals: tuple[str, ...] = ()
     prefix: str = ""
+    strict: bool = False

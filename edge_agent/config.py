@@ -143,6 +143,7 @@ class ReplaySection(StrictModel):
     loop: bool = False
     signals: list[Name] = Field(default_factory=list)
     prefix: str = ""
+    strict: bool = False
 
 
 class SourcesSection(StrictModel):
@@ -607,6 +608,7 @@ def _convert(model: AgentConfigModel, path: Path, base: Path) -> AgentConfig:
                 loop=rp.loop,
                 signals=tuple(rp.signals),
                 prefix=rp.prefix,
+                strict=rp.strict,
             )
         )
     rs = model.reasoning

@@ -200,7 +200,14 @@ class StatusLike(TypedDict, total=False):
 
 
 #: Counters of the drivers' ``stats()`` that are errors (CAN reader; Modbus poller).
-SOURCE_ERROR_KEYS = ("bus_errors", "errors", "timeouts", "connection_errors", "exception_responses")
+SOURCE_ERROR_KEYS = (
+    "bus_errors",
+    "errors",
+    "timeouts",
+    "connection_errors",
+    "exception_responses",
+    "malformed_lines",
+)
 _QUANTILES = (("p50", "0.5"), ("p99", "0.99"), ("p999", "0.999"), ("max", "1"))
 
 

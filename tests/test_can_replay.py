@@ -10,13 +10,17 @@ import can
 import pytest
 
 from drivers.buffer import SampleBuffer
+from drivers.can.capture import MalformedLine, parse_candump_line
 from drivers.can.reader import CanSource
 from drivers.can.replay import ReplaySource
 from drivers.errors import DriverConfigError, ReplayError
 from drivers.sample import Sample
 from drivers.source import open_source
 from drivers.specs import CanSpec, ReplaySpec
+from edge_agent.config import load_config
+from edge_agent.errors import ConfigError
 from tests.can_support import (
+    REPO,
     SUBARU_DURATION_S,
     SUBARU_FRAMES,
     SUBARU_IN_DBC_FRAMES,
@@ -213,7 +217,11 @@ def test_missing_capture(tmp_path: Path) -> None:
     ("name", "content", "match"),
     [
         ("capture.txt", "(0.1) can0 100#00\n", "unknown format '.txt'"),
-        ("capture.log", "this is not candump output\n", "not a valid .log capture"),
+        (
+            "capture.log",
+            "this is not candump output\n",
+            "contains no CAN frames; 1 malformed line.s., first: line 1: timestamp",
+        ),
         ("capture.log", "", "contains no CAN frames"),
         ("capture.asc", "hello\nworld\n", "contains no CAN frames"),
     ],
@@ -226,12 +234,100 @@ def test_unplayable_capture(tmp_path: Path, name: str, content: str, match: str)
     assert str(path) in str(err.value)
 
 
-def test_capture_corrupt_further_in_fails_run(tmp_path: Path) -> None:
+def test_strict_capture_refuses_a_bad_first_line(tmp_path: Path) -> None:
+    path = tmp_path / "capture.log"
+    path.write_text("this is not candump output\n(1.0) can0 100#00\n")
+    with pytest.raises(ReplayError, match=r"line 1: malformed: timestamp.*not a valid .log"):
+        ReplaySource(ReplaySpec(name="x", path=path, dbc=SYNTHETIC_DBC, strict=True))
+
+
+#: 100#... decodes RPM (synthetic.dbc); lines 2-6 are what a real capture has in it.
+MIXED_CAPTURE = (
+    "(1.000000) can0 100#71171C73F3000000\n"
+    "# a comment: skipped, not counted\n"
+    "garbage that is no frame at all\n"
+    "(1.010000) can0 10G#71171C73F3000000\n"
+    "can0 100#71171C73F3000000\n"
+    "(1.020000) can0 100#71171C73F300000\n"
+    "(1.030000) can0 100#81171C73F3000000\n"
+    "(1.04"
+)
+
+
+def test_malformed_lines_are_skipped_counted_and_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "torn.log"
+    path.write_text(MIXED_CAPTURE)
+    caplog.set_level("WARNING", logger="drivers.can.replay")
+    got, source, _ = asyncio.run(
+        play(ReplaySpec(name="t", path=path, dbc=SYNTHETIC_DBC, speed=0, signals=("RPM",)))
+    )
+    # Both good frames played, the one after the bad lines included.
+    assert [s.value for s in got] == pytest.approx([1500.25, 1500.25 + 4.0])
+    stats = source.stats()
+    assert stats["malformed_lines"] == 5
+    assert stats["malformed.timestamp"] == 3  # garbage, no timestamp, the torn last line
+    assert stats["malformed.id"] == 1
+    assert stats["malformed.odd_hex_digits"] == 1
+    assert stats["frames"] == 2
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("line 3 skipped: timestamp" in m for m in logged), logged
+    assert any("line 4 skipped: id" in m for m in logged), logged
+    assert any("line 6 skipped: odd_hex_digits" in m for m in logged), logged
+
+
+def test_strict_replay_stops_at_the_first_malformed_line(tmp_path: Path) -> None:
     path = tmp_path / "corrupt.log"
     path.write_text("(1.0) can0 100#0000000000000000\n(1.1) can0 100#00\n(1.2) can0 10G#zz\n")
-    source = ReplaySource(ReplaySpec(name="x", path=path, dbc=SYNTHETIC_DBC, speed=0))
-    with pytest.raises(ReplayError, match=r"corrupt.log: cannot parse frame 3"):
+    source = ReplaySource(ReplaySpec(name="x", path=path, dbc=SYNTHETIC_DBC, speed=0, strict=True))
+    with pytest.raises(ReplayError, match=r"corrupt.log: line 3: malformed: id"):
         asyncio.run(source.run(SampleBuffer(10)))
+
+
+def test_a_looping_replay_counts_every_pass_and_logs_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "loop.log"
+    path.write_text("(1.0) can0 100#71171C73F3000000\n(1.1) can0 1#00\n")
+    caplog.set_level("WARNING", logger="drivers.can.replay")
+
+    async def main() -> ReplaySource:
+        source = ReplaySource(
+            ReplaySpec(name="l", path=path, dbc=SYNTHETIC_DBC, loop=True, speed=0)
+        )
+        task = asyncio.create_task(source.run(SampleBuffer(100_000)))
+        await wait_until(lambda: int(source.stats()["passes"]) >= 3, 5, "three passes")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return source
+
+    stats = asyncio.run(main()).stats()
+    assert int(stats["malformed_lines"]) >= 3
+    assert stats["malformed.id"] == stats["malformed_lines"]
+    assert sum("skipped" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_asc_malformed_line_is_skipped_and_the_next_frame_kept(tmp_path: Path) -> None:
+    good = tmp_path / "good.asc"
+    write_asc(good)
+    lines = good.read_text().splitlines()
+    # A torn record after the first frame: ASCReader raises on it.
+    first = next(i for i, line in enumerate(lines) if " 100 " in line and "Rx" in line)
+    bad = [
+        "   0.0050 1  200             Rx   d 8 zz 01",
+        "   0.0060 1  2G0             Rx   d 1 01",
+    ]
+    torn = lines[: first + 1] + bad + lines[first + 1 :]
+    path = tmp_path / "torn.asc"
+    path.write_text("\n".join(torn) + "\n")
+    got, source, _ = asyncio.run(
+        play(ReplaySpec(name="asc", path=path, dbc=SYNTHETIC_DBC, speed=0))
+    )
+    want, _, _ = asyncio.run(play(ReplaySpec(name="asc", path=good, dbc=SYNTHETIC_DBC, speed=0)))
+    assert [(s.signal, s.value) for s in got] == [(s.signal, s.value) for s in want]
+    assert source.stats()["malformed_lines"] == 2
 
 
 def test_bad_speed_is_a_config_error(tmp_path: Path) -> None:
@@ -247,3 +343,81 @@ def test_factory_opens_both_kinds() -> None:
     live = open_source(CanSpec(name="c", interface="virtual", channel="x", dbc=dbc_path))
     assert isinstance(live, CanSource)
     assert live.name == "c"
+
+
+def test_candump_parser_agrees_with_python_can_on_the_real_capture() -> None:
+    log_path, _ = require_subaru()
+    ours = [parse_candump_line(line) for line in log_path.read_text().splitlines()]
+    theirs = list(can.CanutilsLogReader(log_path))
+    assert len(ours) == len(theirs) == SUBARU_FRAMES
+    for a, b in zip(ours, theirs, strict=True):
+        assert a is not None
+        assert a.equals(b, timestamp_delta=0.0), (a, b)
+
+
+@pytest.mark.parametrize(
+    ("line", "want"),
+    [
+        ("(1.5) can0 123#DEADBEEF", {"arbitration_id": 0x123, "data": b"\xde\xad\xbe\xef"}),
+        ("(1.5) can0 123#", {"arbitration_id": 0x123, "data": b"", "dlc": 0}),
+        ("(1.5) can0 1ABCDEF0#01 T", {"arbitration_id": 0x1ABCDEF0, "is_extended_id": True}),
+        ("(1.5) can0 123#R", {"is_remote_frame": True, "dlc": 0}),
+        ("(1.5) can0 123#R8", {"is_remote_frame": True, "dlc": 8}),
+        ("(1.5) can0 123##1" + "00" * 12, {"is_fd": True, "bitrate_switch": True, "dlc": 12}),
+        ("(1.5) can0 20000080#0000000000000000", {"is_error_frame": True}),
+    ],
+)
+def test_candump_line_kinds(line: str, want: dict[str, object]) -> None:
+    msg = parse_candump_line(line)
+    assert msg is not None
+    assert msg.timestamp == 1.5
+    for key, value in want.items():
+        assert getattr(msg, key) == value, key
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        ("(1.5) can0 700#D02341AF870", "odd_hex_digits"),
+        ("(1.5) can0 800#00", "id"),
+        ("(1.5) can0 12#00", "id"),
+        ("(1.5) can0 5FFFFFFF#00", "id"),
+        ("(1.5) can0 123#0011223344556677889", "odd_hex_digits"),
+        ("(1.5) can0 123#001122334455667788", "length"),
+        ("(1.5) can0 123##1" + "00" * 9, "length"),
+        ("(1.5) can0 123#R9", "data"),
+        ("(1.5) can0 123#GG", "data"),
+        ("(x) can0 123#00", "timestamp"),
+        ("(nan) can0 123#00", "timestamp"),
+        ("1.5 can0 123#00", "timestamp"),
+        ("(1.5) can0 12300", "format"),
+        ("(1.5) can0 123#00 X", "format"),
+    ],
+)
+def test_candump_malformed_line_reasons(line: str, reason: str) -> None:
+    with pytest.raises(MalformedLine) as err:
+        parse_candump_line(line)
+    assert err.value.reason == reason
+
+
+def test_blank_lines_and_comments_are_no_frames() -> None:
+    for line in ("", "   \n", "# candump header", "// note", "; vector-style"):
+        assert parse_candump_line(line) is None
+
+
+def test_replay_strict_key_in_the_agent_config(tmp_path: Path) -> None:
+    log_path, dbc_path = require_subaru()
+    cfg = tmp_path / "agent.toml"
+    # The example's paths are relative to examples/.
+    base = (REPO / "examples" / "agent.toml").read_text().replace('"../', f'"{REPO}/')
+    cfg.write_text(
+        base
+        + f'\n[[sources.replay]]\nname = "wrx"\npath = "{log_path}"\ndbc = "{dbc_path}"\n'
+        + 'signals = ["RPM"]\nstrict = true\n'
+    )
+    loaded = load_config(cfg)
+    (spec,) = [s for s in loaded.sources if isinstance(s, ReplaySpec)]
+    assert spec.strict is True
+    cfg.write_text(cfg.read_text().replace("strict = true", 'strict = "yes"'))
+    with pytest.raises(ConfigError, match=r"sources.replay\[0\].strict"):
+        load_config(cfg)

@@ -17,25 +17,17 @@ import math
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Final
-
-import can
 
 from drivers.buffer import SampleBuffer
 from drivers.can._thread import run_in_thread
+from drivers.can.capture import CaptureReader
 from drivers.can.dbc import FrameDecoder
 from drivers.errors import DriverConfigError, ReplayError
 from drivers.sample import Sample
 from drivers.specs import ReplaySpec
 
 log = logging.getLogger(__name__)
-
-#: Supported suffixes and their python-can readers.
-READERS: Final[Mapping[str, type[can.io.generic.MessageReader]]] = {
-    ".log": can.CanutilsLogReader,
-    ".asc": can.ASCReader,
-}
 
 #: Samples per hand-off to the buffer at most.
 MAX_BATCH: Final = 512
@@ -45,24 +37,6 @@ MAX_BATCH: Final = 512
 MIN_SLEEP_S: Final = 0.001
 #: Poll interval while waiting for the consumer to make room (``speed=0`` only).
 BACKPRESSURE_POLL_S: Final = 0.001
-
-# What python-can's text readers raise on a malformed line (split/int/float parsing).
-_PARSE_ERRORS: Final = (ValueError, IndexError, KeyError, TypeError, UnicodeDecodeError)
-
-
-def _open(path: Path) -> can.io.generic.MessageReader:
-    reader_cls = READERS.get(path.suffix.lower())
-    if reader_cls is None:
-        raise ReplayError(
-            f"capture {path}: unknown format {path.suffix!r}; "
-            f"expected .log (candump -l) or .asc (Vector ASCII)"
-        )
-    if not path.is_file():
-        raise ReplayError(f"capture {path}: no such file")
-    try:
-        return reader_cls(path)
-    except OSError as exc:
-        raise ReplayError(f"capture {path}: cannot open: {exc.strerror or exc}") from exc
 
 
 class ReplaySource:
@@ -74,11 +48,16 @@ class ReplaySource:
     other speed the replay behaves like a live bus and the buffer's drop policy applies.
     With ``loop`` the capture starts over right after its last frame.
 
+    A malformed line is skipped and counted per reason (``malformed_lines`` and
+    ``malformed.<reason>`` in :meth:`stats`; the first few are logged with their line
+    numbers, once per capture, not once per pass); with ``strict`` the first one stops the
+    replay with :class:`ReplayError` instead.
+
     When a non-looping capture ends, ``run()`` stays up (a quiet bus, ``state ==
     "finished"``) until cancelled, as every source does. Construction raises
     :class:`ReplayError` for a missing, unreadable or unknown-format capture, and
-    :class:`DriverConfigError` for a bad DBC or speed; a capture that turns out malformed
-    further in raises :class:`ReplayError` from ``run()``.
+    :class:`DriverConfigError` for a bad DBC or speed; a capture with no frame at all (or,
+    when strict, one malformed further in) raises :class:`ReplayError` from ``run()``.
     """
 
     def __init__(self, spec: ReplaySpec) -> None:
@@ -97,6 +76,7 @@ class ReplaySource:
         self.frames_total = 0
         self.position = 0
         self.passes = 0
+        self.malformed: dict[str, int] = {}
 
     @property
     def signals(self) -> tuple[str, ...]:
@@ -112,6 +92,8 @@ class ReplaySource:
         completed passes. ``state`` is ``idle``, ``playing``, ``finished`` or ``stopped``.
         """
         out: dict[str, int | float | str] = dict(self._decoder.stats())
+        out["malformed_lines"] = sum(self.malformed.values())
+        out.update({f"malformed.{reason}": n for reason, n in sorted(self.malformed.items())})
         out.update(
             error_frames=self.error_frames,
             remote_frames=self.remote_frames,
@@ -140,19 +122,24 @@ class ReplaySource:
 
     def _check_capture(self) -> None:
         """Fail at construction, not at first use, if the capture cannot be played."""
-        reader = _open(self.spec.path)
+        reader = CaptureReader(self.spec.path, strict=self.spec.strict)
+        frames = iter(reader)
         try:
-            first = next(iter(reader), None)
-        except _PARSE_ERRORS as exc:
+            first = next(frames, None)
+        except ReplayError as exc:
             raise ReplayError(
-                f"capture {self.spec.path}: not a valid {self.spec.path.suffix} capture: {exc}"
+                f"{exc} (not a valid {self.spec.path.suffix} capture; "
+                f"strict = false skips malformed lines)"
             ) from exc
-        except OSError as exc:
-            raise ReplayError(f"capture {self.spec.path}: cannot read: {exc}") from exc
         finally:
-            reader.stop()
+            frames.close()  # type: ignore[attr-defined]
         if first is None:
-            raise ReplayError(f"capture {self.spec.path}: contains no CAN frames")
+            detail = ""
+            if reader.examples:
+                line, why = reader.examples[0]
+                bad = sum(reader.malformed.values())
+                detail = f"; {bad} malformed line(s), first: line {line}: {why}"
+            raise ReplayError(f"capture {self.spec.path}: contains no CAN frames{detail}")
 
     # -- replay thread ---------------------------------------------------------------
 
@@ -176,7 +163,6 @@ class ReplaySource:
 
     def _play_once(self, sink: SampleBuffer, stop: threading.Event) -> int:
         """One pass over the capture; returns the frames read."""
-        path = self.spec.path
         speed = self.spec.speed
         decode = self._decoder.decode
         now_ns = time.time_ns
@@ -184,21 +170,12 @@ class ReplaySource:
         batch: list[Sample] = []
         index = 0
         self.position = 0
-        reader = _open(path)
-        frames = iter(reader)
+        reader = CaptureReader(self.spec.path, strict=self.spec.strict)
+        start = monotonic()
+        first_ts: float | None = None
         try:
-            start = monotonic()
-            first_ts: float | None = None
-            while not stop.is_set():
-                try:
-                    msg = next(frames, None)
-                except _PARSE_ERRORS as exc:
-                    raise ReplayError(
-                        f"capture {path}: cannot parse frame {index + 1}: {exc}"
-                    ) from exc
-                except OSError as exc:
-                    raise ReplayError(f"capture {path}: cannot read: {exc}") from exc
-                if msg is None:
+            for msg in reader:
+                if stop.is_set():
                     break
                 index += 1
                 if speed > 0.0:
@@ -226,8 +203,28 @@ class ReplaySource:
                     batch = []
             self._flush(batch, sink, stop)
         finally:
-            reader.stop()
+            self._note_malformed(reader)
         return index
+
+    def _note_malformed(self, reader: CaptureReader) -> None:
+        """Count one pass's malformed lines; log the first pass's first few."""
+        if not reader.malformed:
+            return
+        first_pass = self.passes == 0
+        for reason, n in reader.malformed.items():
+            self.malformed[reason] = self.malformed.get(reason, 0) + n
+        if first_pass:
+            total = sum(reader.malformed.values())
+            for number, why in reader.examples:
+                log.warning("capture %s: line %d skipped: %s", self.spec.path, number, why)
+            if total > len(reader.examples):
+                log.warning(
+                    "capture %s: %d malformed line(s) skipped in all (%s); counted in "
+                    "malformed_lines",
+                    self.spec.path,
+                    total,
+                    ", ".join(f"{r} {n}" for r, n in sorted(reader.malformed.items())),
+                )
 
     def _flush(self, batch: list[Sample], sink: SampleBuffer, stop: threading.Event) -> None:
         if not batch:
