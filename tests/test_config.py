@@ -211,6 +211,18 @@ BAD: list[tuple[str, str, str]] = [
         "one bit); got bits = 3 on a bool",
     ),
     (
+        "int64 without a scale",
+        replace('type = "bitfield"\nbit = 4\nbits = 3', 'type = "int64"'),
+        "sources.modbus[0].registers[1].scale: required on an int64: samples are 64-bit floats, "
+        "exact only within +-2^53 (9007199254740992), larger values are rounded; write the "
+        "scale (1.0 keeps raw units and accepts that)",
+    ),
+    (
+        "uint64 without a scale",
+        replace('type = "bitfield"\nbit = 4\nbits = 3', 'type = "uint64"'),
+        "sources.modbus[0].registers[1].scale: required on an uint64: samples are 64-bit floats",
+    ),
+    (
         "bitfield past the register",
         replace("bit = 4", "bit = 14"),
         "sources.modbus[0].registers[1].bits: expected bit + bits <= 16; got bit=14, bits=3",
@@ -439,6 +451,16 @@ def test_byte_order_is_accepted_where_it_applies() -> None:
     mb = parse_config(flag, base_dir=DATA).sources[0]
     assert isinstance(mb, ModbusSpec)
     assert (mb.registers[1].type, mb.registers[1].order, mb.registers[1].bit) == ("bool", "BADC", 4)
+
+
+def test_a_64_bit_register_with_a_scale_is_accepted() -> None:
+    for t in ("int64", "uint64"):
+        text = replace('type = "bitfield"\nbit = 4\nbits = 3', f'type = "{t}"\nscale = 1.0')
+        mb = parse_config(text, base_dir=DATA).sources[0]
+        assert isinstance(mb, ModbusSpec)
+        assert (mb.registers[1].type, mb.registers[1].scale) == (t, 1.0)
+    errors = parse(replace('type = "bitfield"\nbit = 4\nbits = 3', 'type = "int64"'))
+    assert len(errors) == 1, errors  # one line for one problem
 
 
 def test_every_error_is_reported_not_just_the_first() -> None:

@@ -18,6 +18,13 @@ word order: ``ABCD`` = ``CDAB`` and ``BADC`` = ``DCBA`` (its two bytes swapped).
 order first and ``bit``/``bits`` count from its least significant bit, so bits 0-7 of a
 ``BADC`` register are the first byte on the wire (the high byte of the word as read).
 Coils and discrete inputs are single bits; an order on them is refused.
+
+:func:`decode_raw` gives integer types as an exact ``int`` (a 64-bit value beyond 2^53 is
+not rounded: ``edge-agent read`` shows it as the device sent it). :func:`decode` and the
+poller's :func:`decoder` give ``raw * scale + offset`` as a ``float``, the one number type
+of samples, windows and telemetry: a 64-bit integer beyond 2^53 rounds there to the
+nearest float64 (relative error < 2^-53), which is why the config asks for an explicit
+``scale`` on int64/uint64 registers.
 """
 
 import struct
@@ -74,28 +81,33 @@ def _from_wire(registers: Sequence[int], order: WordOrder) -> bytes:
     return b"".join(words)
 
 
-def decode_raw(spec: RegisterSpec, registers: Sequence[int]) -> float:
-    """The raw (unscaled) value of ``spec`` from exactly ``spec.width`` register words."""
+def decode_raw(spec: RegisterSpec, registers: Sequence[int]) -> int | float:
+    """The raw (unscaled) value of ``spec`` from exactly ``spec.width`` register words.
+
+    Exact: an ``int`` for integer types, bools and bitfields, a ``float`` for float types.
+    """
     if len(registers) != spec.width:
         raise ValueError(f"{spec.name}: expected {spec.width} registers, got {len(registers)}")
     if spec.type == "bool":
-        return float((_bit_word(spec, registers[0]) >> spec.bit) & 1)
+        return (_bit_word(spec, registers[0]) >> spec.bit) & 1
     if spec.type == "bitfield":
-        return float((_bit_word(spec, registers[0]) >> spec.bit) & ((1 << spec.bits) - 1))
+        return (_bit_word(spec, registers[0]) >> spec.bit) & ((1 << spec.bits) - 1)
+    value: int | float
     (value,) = struct.unpack(_STRUCT[spec.type], _from_wire(registers, spec.order))
-    return float(value)
+    return value
 
 
 def decode(spec: RegisterSpec, registers: Sequence[int]) -> float:
-    """The scaled value: ``raw * scale + offset``."""
+    """The scaled value: ``raw * scale + offset``, a float (the sample's value)."""
     return decode_raw(spec, registers) * spec.scale + spec.offset
 
 
-def encode_raw(spec: RegisterSpec, raw: float) -> list[int]:
+def encode_raw(spec: RegisterSpec, raw: int | float) -> list[int]:
     """Register words that :func:`decode_raw` turns back into ``raw``.
 
     Integer types round to the nearest integer and raise ``ValueError`` when it does not
-    fit, so a simulator never writes a silently wrapped value.
+    fit, so a simulator never writes a silently wrapped value. An ``int`` is taken exactly:
+    ``encode_raw(int64, 2**63 - 1)`` works where the float ``2.0**63`` does not fit.
     """
     if spec.type in ("bool", "bitfield"):
         width = 1 if spec.type == "bool" else spec.bits
