@@ -110,10 +110,12 @@ class CanSource:
         ``frames`` counts every data frame received (error and remote frames are counted
         apart); ``bus_errors`` counts failed opens and failed reads; ``reconnects`` counts
         successful re-opens after a failure. ``state`` is ``idle``, ``connecting``,
-        ``open``, ``backoff`` or ``stopped``.
+        ``open``, ``backoff`` or ``stopped``; ``up`` is 1 only while ``open``.
+        ``last_error`` is the latest bus fault (kept after the bus is back).
         """
         out: dict[str, int | float | str] = dict(self._decoder.stats())
         out.update(
+            up=int(self.state == "open"),
             error_frames=self.error_frames,
             remote_frames=self.remote_frames,
             bus_errors=self.bus_errors,
