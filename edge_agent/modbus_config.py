@@ -5,11 +5,12 @@ apart because a register map has rules of its own: which keys mean something for
 type and function. A key that would be accepted and then ignored is refused instead,
 naming it, e.g. ``sources.modbus[0].registers[3].bits: ...``.
 
-64-bit integers: a sample's value is a float64 all the way (perception's windows, memory,
-telemetry, the fleet store), exact for integers within 2^53. Rather than carry a second
-number type through every stage for counters that rarely get there, an int64/uint64
-register must state its ``scale``, which is where its precision is decided (1.0: raw
-units, rounded beyond 2^53). ``edge-agent read`` shows the exact raw integer.
+64-bit integers: a value travels as a float, never as an exact integer (a sample is a
+float64; perception's windows, and so memory, telemetry and the fleet store, hold float32:
+about 7 significant digits). Rather than carry a second number type through every stage,
+an int64/uint64 register must state its ``scale``, which is where the user decides the
+units worth those digits (1.0: raw units, rounded). ``edge-agent read`` shows the exact
+raw integer.
 """
 
 from __future__ import annotations
@@ -115,8 +116,8 @@ def check_register(reg: RegisterSection, at: str) -> list[str]:
         errors.append(f"{at}.scale: expected a non-zero factor; got 0")
     elif reg.type in ("int64", "uint64") and not bit_function and "scale" not in given:
         errors.append(
-            f"{at}.scale: required on an {reg.type}: samples are 64-bit floats, exact only "
-            f"within +-2^53 (9007199254740992), larger values are rounded; write the scale "
-            f"(1.0 keeps raw units and accepts that)"
+            f"{at}.scale: required on an {reg.type}: its value travels as a float, not an "
+            f"exact integer (float32 in windows, memory and telemetry: about 7 significant "
+            f"digits); write the scale that gives the units you need (1.0: raw units, rounded)"
         )
     return errors

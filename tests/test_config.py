@@ -213,14 +213,15 @@ BAD: list[tuple[str, str, str]] = [
     (
         "int64 without a scale",
         replace('type = "bitfield"\nbit = 4\nbits = 3', 'type = "int64"'),
-        "sources.modbus[0].registers[1].scale: required on an int64: samples are 64-bit floats, "
-        "exact only within +-2^53 (9007199254740992), larger values are rounded; write the "
-        "scale (1.0 keeps raw units and accepts that)",
+        "sources.modbus[0].registers[1].scale: required on an int64: its value travels as a "
+        "float, not an exact integer (float32 in windows, memory and telemetry: about 7 "
+        "significant digits); write the scale that gives the units you need (1.0: raw units, "
+        "rounded)",
     ),
     (
         "uint64 without a scale",
         replace('type = "bitfield"\nbit = 4\nbits = 3', 'type = "uint64"'),
-        "sources.modbus[0].registers[1].scale: required on an uint64: samples are 64-bit floats",
+        "sources.modbus[0].registers[1].scale: required on an uint64: its value travels as a float",
     ),
     (
         "bitfield past the register",

@@ -19,11 +19,11 @@ order first and ``bit``/``bits`` count from its least significant bit, so bits 0
 ``BADC`` register are the first byte on the wire (the high byte of the word as read).
 Coils and discrete inputs are single bits; an order on them is refused.
 
-:func:`decode_raw` gives integer types as an exact ``int`` (a 64-bit value beyond 2^53 is
-not rounded: ``edge-agent read`` shows it as the device sent it). :func:`decode` and the
-poller's :func:`decoder` give ``raw * scale + offset`` as a ``float``, the one number type
-of samples, windows and telemetry: a 64-bit integer beyond 2^53 rounds there to the
-nearest float64 (relative error < 2^-53), which is why the config asks for an explicit
+:func:`decode_raw` gives integer types as an exact ``int`` (``edge-agent read`` shows a
+64-bit value as the device sent it). :func:`decode` and the poller's :func:`decoder` give
+``raw * scale + offset`` as a ``float``, a sample's value: exact for integers up to 2^53
+there, and up to 2^24 once perception puts it in a float32 window (what memory and
+telemetry carry: about 7 significant digits). That is why the config asks for an explicit
 ``scale`` on int64/uint64 registers.
 """
 
