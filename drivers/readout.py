@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import Literal
 
-from drivers.errors import DriverConfigError
-from drivers.specs import CanSpec, ModbusSpec, ReplaySpec
+from drivers.specs import CanSpec, ModbusSpec
 
 #: Why a reading failed: the unit answered an exception code; it did not answer in time;
 #: the port or bus cannot be reached; a garbled or mismatched reply; no frame carrying the
@@ -45,6 +44,7 @@ class Reading:
 
     @property
     def ok(self) -> bool:
+        """Whether the value was read."""
         return not self.error
 
 
@@ -53,10 +53,9 @@ async def read_once(spec: ModbusSpec | CanSpec, *, listen_s: float) -> list[Read
 
     Modbus: each value once (coalesced as the poller would); CAN: the last frame of each
     signal heard within ``listen_s``. Failures are readings with an error, never raised;
-    only a spec that cannot be used raises :class:`DriverConfigError`.
+    only a spec that cannot be used raises :class:`drivers.errors.DriverConfigError`.
+    (A replay source has no device: the caller leaves it out.)
     """
-    if isinstance(spec, ReplaySpec):  # pragma: no cover - typed out; a guard for callers
-        raise DriverConfigError(f"replay source {spec.name!r}: a capture file has no device")
     if isinstance(spec, ModbusSpec):
         modbus = import_module("drivers.modbus.readout")
         readings: list[Reading] = await modbus.read_modbus(spec)

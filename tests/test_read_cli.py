@@ -274,3 +274,27 @@ signals = {json.dumps(signals)}
         "kind": "no_frame",
         "message": "no frame 0x18FF5001 (DRIVE_VIBRATION) carrying it in 0.5 s",
     }
+
+
+def test_a_gateway_that_says_the_unit_is_gone(tmp_path: Path) -> None:
+    """Exception 11 from a gateway: the code and its name; the unit is not asked again."""
+    cfg = tmp_path / "agent.toml"
+    text = HEAD.format(state=tmp_path / "state", port="{port}")
+    text += register("voltage", 0, type="float32", unit=9)
+    text += register("speed", 50, unit=9)  # another block of the same unit
+    with peer_in_thread({1: device()}, ignore_missing=False) as peer:
+        cfg.write_text(text.replace("{port}", str(peer.port)))
+        code, out, _ = run("-c", str(cfg), "--json")
+        asked = peer.requests[9]
+    assert code == 1
+    got = by_signal(out)
+    first = got["voltage"]["error"]
+    assert (first["kind"], first["code"], first["name"]) == (
+        "exception",
+        11,
+        "gateway target device failed to respond",
+    )
+    second = got["speed"]["error"]
+    assert second["kind"] == "exception"
+    assert second["message"].startswith("not asked: unit 9 failed an earlier read (")
+    assert asked == 1
