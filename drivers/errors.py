@@ -50,6 +50,25 @@ class ModbusConnectionError(ModbusError, ConnectionError):
     """The port (TCP endpoint or serial device) cannot be reached."""
 
 
+#: The exception codes of the Modbus application protocol (V1.1b3, section 7).
+MODBUS_EXCEPTION_NAMES: dict[int, str] = {
+    1: "illegal function",
+    2: "illegal data address",
+    3: "illegal data value",
+    4: "server device failure",
+    5: "acknowledge",
+    6: "server device busy",
+    8: "memory parity error",
+    10: "gateway path unavailable",
+    11: "gateway target device failed to respond",
+}
+
+
+def modbus_exception_name(code: int) -> str:
+    """The protocol's name of exception ``code`` (``"code 42"``-style for unknown ones)."""
+    return MODBUS_EXCEPTION_NAMES.get(code, f"unknown exception code {code}")
+
+
 class ModbusExceptionResponse(ModbusError):
     """The unit answered with a Modbus exception code (e.g. 2 = illegal data address)."""
 
@@ -58,6 +77,11 @@ class ModbusExceptionResponse(ModbusError):
     ):
         super().__init__(message, unit=unit, address=address)
         self.code = code
+
+    @property
+    def name(self) -> str:
+        """The code's name in the protocol, e.g. ``illegal data address``."""
+        return modbus_exception_name(self.code)
 
 
 class ReplayError(DriverError):

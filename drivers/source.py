@@ -22,7 +22,10 @@ class Source(Protocol):
     ``run`` puts samples into ``sink`` until it is cancelled. It handles its own faults
     (reconnect, backoff) and raises only :class:`drivers.errors.DriverError` for faults it
     cannot ride out, e.g. a DBC that disappeared. ``stats`` is a flat snapshot of counters
-    (frames, errors, reconnects ...) for logs, ``/v1/status`` and metrics.
+    (frames, errors, reconnects ...) for logs, ``/v1/status`` and metrics, with ``up``: 1
+    while the source reaches what it reads (a bus open, a unit answering, a capture read),
+    0 otherwise, whatever came in before; and, for a source that rides faults out,
+    ``last_error``: the latest of them.
     """
 
     name: str

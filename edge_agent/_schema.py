@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field
 #: Device, site, signal, entry and class names: safe in MQTT topics, file names and logs.
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 
+#: A time in ms: positive, at most an hour.
+PositiveMs = Annotated[int, Field(gt=0, le=3_600_000)]
+
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)

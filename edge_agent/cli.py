@@ -1,4 +1,4 @@
-"""``edge-agent``: run the agent, check a config, run the plant simulator.
+"""``edge-agent``: run the agent, check a config, read the devices once, run the simulator.
 
 Exit codes: 0 ok, 1 runtime failure, 2 bad config or usage (as systemd and scripts expect:
 a config error must not be retried by ``Restart=on-failure`` forever without a message).
@@ -24,6 +24,7 @@ from edge_agent.config import AgentConfig, load_config
 from edge_agent.errors import ConfigError, ModelMismatch, ReasoningError, ServiceError
 from edge_agent.memory.cli import memory_app
 from edge_agent.ota_cli import ota_app
+from edge_agent.read_cli import read
 from edge_agent.tsn import tsn_app
 from edge_agent.uplink.errors import UplinkError
 
@@ -50,6 +51,7 @@ app.add_typer(ota_app, name="ota", help="OTA updates: status, install a bundle f
 app.add_typer(
     tsn_app, name="tsn", help="Render or apply the gate schedule as a taprio qdisc (802.1Qbv)."
 )
+app.command("read")(read)
 
 ConfigOpt = Annotated[
     Path, typer.Option("--config", "-c", help="Agent config (TOML).", show_default=True)

@@ -25,21 +25,18 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 
 from drivers.specs import (
-    REGISTER_WIDTH,
     CanSpec,
     ModbusSpec,
-    RegisterFunction,
     RegisterSpec,
-    RegisterType,
     ReplaySpec,
-    WordOrder,
 )
-from edge_agent._schema import Name, StrictModel
+from edge_agent._schema import Name, PositiveMs, StrictModel
 from edge_agent.api import ApiSection
 from edge_agent.breaker import BreakerSpec, DegradedMode
 from edge_agent.errors import ConfigError
 from edge_agent.gcl import GateControlList, ScheduleSection, window_close_phase_ns
 from edge_agent.memory.config import MemorySection
+from edge_agent.modbus_config import ModbusSection, check_modbus
 from edge_agent.ota_config import OtaSection
 from edge_agent.perception import Interpolation, PerceptionSpec
 from edge_agent.rules import (
@@ -57,8 +54,6 @@ from edge_agent.uplink.config import UplinkSection
 
 #: Refuse config files larger than this before parsing them.
 MAX_CONFIG_BYTES = 1 << 20
-
-PositiveMs = Annotated[int, Field(gt=0, le=3_600_000)]
 
 
 class AgentSection(StrictModel):
@@ -82,43 +77,6 @@ class PerceptionSection(StrictModel):
     lateness_ms: Annotated[float, Field(ge=0, le=60_000)] = 20.0
     max_catch_up_windows: Annotated[int, Field(ge=1, le=10_000)] = 16
     queue_size: Annotated[int, Field(ge=16, le=10_000_000)] = 65_536
-
-
-class RegisterSection(StrictModel):
-    name: Name
-    address: Annotated[int, Field(ge=0, le=65_535)]
-    function: RegisterFunction = "holding"
-    type: RegisterType = "uint16"
-    order: WordOrder = "ABCD"
-    unit: Annotated[int, Field(ge=1, le=255)] | None = None
-    # nan/inf would turn every reading of the register into nan/inf: refused by name.
-    scale: Annotated[float, Field(allow_inf_nan=False)] = 1.0
-    offset: Annotated[float, Field(allow_inf_nan=False)] = 0.0
-    deadband: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
-    poll_ms: PositiveMs | None = None
-    bit: Annotated[int, Field(ge=0, le=15)] = 0
-    bits: Annotated[int, Field(ge=1, le=16)] = 1
-
-
-class ModbusSection(StrictModel):
-    name: Name
-    transport: Literal["tcp", "rtu"] = "tcp"
-    host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
-    port: Annotated[int, Field(ge=1, le=65_535)] = 502
-    device: str = ""
-    baudrate: Annotated[int, Field(ge=300, le=4_000_000)] = 19_200
-    parity: Literal["N", "E", "O"] = "E"
-    stopbits: Literal[1, 2] = 1
-    bytesize: Literal[7, 8] = 8
-    unit: Annotated[int, Field(ge=1, le=255)] = 1
-    poll_ms: PositiveMs = 100
-    timeout_ms: PositiveMs = 500
-    max_gap: Annotated[int, Field(ge=0, le=120)] = 8
-    max_registers: Annotated[int, Field(ge=1, le=125)] = 120
-    backoff_min_ms: PositiveMs = 500
-    backoff_max_ms: PositiveMs = 30_000
-    heartbeat_ms: PositiveMs = 1_000
-    registers: Annotated[list[RegisterSection], Field(min_length=1)]
 
 
 class CanSection(StrictModel):
@@ -408,16 +366,9 @@ def _check(model: AgentConfigModel, base: Path) -> list[str]:
     open_ended = False  # a CAN/replay source without a signal list may produce anything
     for i, mb in enumerate(src.modbus):
         at = f"sources.modbus[{i}]"
-        if mb.transport == "rtu" and not mb.device:
-            errors.append(f"{at}.device: required for transport 'rtu'; got ''")
-        if mb.backoff_min_ms > mb.backoff_max_ms:
-            errors.append(
-                f"{at}.backoff_min_ms: expected at most backoff_max_ms ({mb.backoff_max_ms}); "
-                f"got {mb.backoff_min_ms}"
-            )
+        errors.extend(check_modbus(mb, at))
         for j, reg in enumerate(mb.registers):
             rat = f"{at}.registers[{j}]"
-            errors.extend(_check_register(reg, rat))
             if reg.name in produced:
                 errors.append(
                     f"{rat}.name: {reg.name!r} is already produced by {produced[reg.name]}"
@@ -512,24 +463,6 @@ def _check_reasoning(rs: ReasoningSection, signals: Sequence[str]) -> list[str]:
                 f"reasoning.thresholds.{label}: expected more than hysteresis.margin "
                 f"({rs.hysteresis.margin:g}), or the alarm could never clear; got {t:g}"
             )
-    return errors
-
-
-def _check_register(reg: RegisterSection, at: str) -> list[str]:
-    errors: list[str] = []
-    bit_function = reg.function in ("coil", "discrete_input")
-    if bit_function and reg.type != "bool":
-        errors.append(f"{at}.type: expected 'bool' for function {reg.function!r}; got {reg.type!r}")
-    width = 1 if bit_function else REGISTER_WIDTH[reg.type]
-    if reg.address + width > 65_536:
-        errors.append(
-            f"{at}.address: {reg.type} needs {width} registers, past the end at 65535; "
-            f"got {reg.address}"
-        )
-    if reg.type == "bitfield" and reg.bit + reg.bits > 16:
-        errors.append(f"{at}.bits: expected bit + bits <= 16; got bit={reg.bit}, bits={reg.bits}")
-    if reg.scale == 0:
-        errors.append(f"{at}.scale: expected a non-zero factor; got 0")
     return errors
 
 

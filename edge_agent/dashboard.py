@@ -779,8 +779,10 @@ def source_state(stats: Mapping[str, Any]) -> tuple[str, bool]:
         # healthy while "playing", a bus while "open".
         ok = bool(stats["up"]) if "up" in stats else state == "open"
     elif "connected" in stats:
-        ok = stats.get("connected") == 1
-        state = "connected" if ok else "disconnected"
+        connected = stats.get("connected") == 1
+        # Connected is not up: the port may be open with no unit answering behind it.
+        ok = bool(stats["up"]) if "up" in stats else connected
+        state = "connected" if connected else "disconnected"
     elif "up" in stats:
         ok = bool(stats.get("up"))
         state = "up" if ok else "down"
@@ -794,6 +796,8 @@ def source_state(stats: Mapping[str, Any]) -> tuple[str, bool]:
     if backoff:
         state += f", unit {','.join(backoff)} backing off"
         ok = False
+    elif not ok and state == "connected":
+        state += ", no unit answers yet"
     return state, ok
 
 

@@ -395,8 +395,10 @@ class Agent:
         return STAGES
 
     def sources_up(self) -> dict[str, bool]:
-        """Whether each source has its bus open or has delivered data."""
-        return {s.name: _is_up(s.stats()) for s in self.sources}
+        """Whether each source runs and reaches what it reads (its own ``up``)."""
+        return {
+            s.name: self.report.sources[s.name].running and _is_up(s.stats()) for s in self.sources
+        }
 
     async def _announce_ready(self) -> None:
         """READY=1 once every source is up (or after :data:`READY_GRACE_S`, saying which not)."""
@@ -778,6 +780,17 @@ class Agent:
                     ),
                 )
 
+    def _source_status(self, source: Source, up: bool) -> dict[str, object]:
+        """A source's counters, ``up`` and ``restarts``; ``last_error`` is why it failed
+        while it waits to be restarted, else the driver's latest fault (else the last
+        failure, once it runs again)."""
+        stats = dict(source.stats())
+        health = self.report.sources[source.name]
+        own = stats.get("last_error")
+        crashed = bool(health.last_error) and not health.running
+        last_error = health.last_error if crashed or not own else own
+        return {**stats, "up": up, "restarts": health.restarts, "last_error": last_error}
+
     def status(self) -> dict[str, Any]:
         """A JSON-ready snapshot: versions, model, sources, stages, queues, gates, latencies."""
         st = self.aligner.stats
@@ -843,26 +856,14 @@ class Agent:
             "ota": self.ota.status() if self.ota is not None else {"enabled": False},
             "restart_requested": self.restart_requested,
             "latency_us": latency,
-            "sources": {
-                s.name: {
-                    **dict(s.stats()),
-                    "up": up[s.name],
-                    "restarts": self.report.sources[s.name].restarts,
-                    "last_error": self.report.sources[s.name].last_error,
-                }
-                for s in self.sources
-            },
+            "sources": {s.name: self._source_status(s, up[s.name]) for s in self.sources},
         }
 
 
 def _is_up(stats: Mapping[str, int | float | str]) -> bool:
-    """A source is up once its bus is open, its device connected, or data came in."""
-    if stats.get("state") == "open" or stats.get("connected") == 1:
-        return True
-    return any(
-        isinstance(stats.get(k), int) and int(stats[k]) > 0
-        for k in ("samples", "frames", "replies")
-    )
+    """The source's own verdict (``up``, see :class:`drivers.source.Source`): a bus open, a
+    unit answering. Data that came in earlier does not count: the device may be gone."""
+    return stats.get("up") == 1
 
 
 def _numpy_reason(jit: bool | None) -> str:
@@ -926,7 +927,16 @@ def describe(d: Decision) -> str:
 
 
 def _brief(stats: Mapping[str, int | float | str]) -> str:
-    keys = ("state", "frames", "replies", "samples", "timeouts", "reconnects", "unknown_frames")
+    keys = (
+        "up",
+        "state",
+        "frames",
+        "replies",
+        "samples",
+        "timeouts",
+        "reconnects",
+        "unknown_frames",
+    )
     return " ".join(f"{k}={stats[k]}" for k in keys if k in stats)
 
 

@@ -7,8 +7,9 @@ so tests can assert how many requests the poller sent.
 
 import asyncio
 import contextlib
+import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +159,29 @@ async def running_peer(
         yield peer
     finally:
         await peer.stop()
+
+
+@contextlib.contextmanager
+def peer_in_thread(
+    devices: Mapping[int, ModbusDeviceContext], *, ignore_missing: bool = True
+) -> Iterator[Peer]:
+    """:func:`start_peer` on its own event loop in a thread, for code under test that runs
+    its own loop (a CLI through typer's CliRunner). The datastore may be written from the
+    test's thread while no request is in flight."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="modbus-peer", daemon=True)
+    thread.start()
+    try:
+        started = start_peer(devices, ignore_missing=ignore_missing)
+        peer = asyncio.run_coroutine_threadsafe(started, loop).result(10)
+        try:
+            yield peer
+        finally:
+            asyncio.run_coroutine_threadsafe(peer.stop(), loop).result(10)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
 
 
 async def wait_until(cond: Callable[[], bool], timeout: float = 5.0, step: float = 0.005) -> None:

@@ -162,11 +162,13 @@ def test_reconnects_after_the_bus_vanishes() -> None:
             assert not task.done()
             assert stat(source, "bus_errors") >= 3
             assert source.stats()["state"] in ("backoff", "connecting")
+            assert source.stats()["up"] == 0
             assert "No such device" in str(source.stats()["last_error"])
 
             adapter.present.set()
             await wait_until(lambda: stat(source, "reconnects") == 1, 5, "reconnect")
             await wait_until(lambda: source.stats()["state"] == "open", 5, "bus reopened")
+            assert source.stats()["up"] == 1
             tx.send(frame)
             await wait_until(lambda: len(sink) == 8, 5, "samples after the reconnect")
         engine = ["RPM", "ENGINE.TEMP", "GEAR_STATE", "TORQUE"]

@@ -187,6 +187,43 @@ BAD: list[tuple[str, str, str]] = [
         "sources.modbus[0].registers[0].type: expected 'bool' for function 'coil'; got 'float32'",
     ),
     (
+        "byte order on a coil",
+        replace('function = "input"\ntype = "float32"', 'function = "coil"\ntype = "bool"'),
+        "sources.modbus[0].registers[0].order: a coil is one bit, it has no byte order; "
+        "expected no order (or 'ABCD'); got 'CDAB'",
+    ),
+    (
+        "bit on a whole-register type",
+        replace('type = "bitfield"', 'type = "uint16"'),
+        "sources.modbus[0].registers[1].bit: only 'bool' and 'bitfield' registers pick bits, "
+        "a uint16 reads the whole value; got bit = 4",
+    ),
+    (
+        "bits on a whole-register type",
+        replace('type = "bitfield"', 'type = "uint16"'),
+        "sources.modbus[0].registers[1].bits: only a 'bitfield' has a width in bits (a bool is "
+        "one bit); got bits = 3 on a uint16",
+    ),
+    (
+        "bits on a bool",
+        replace('type = "bitfield"', 'type = "bool"'),
+        "sources.modbus[0].registers[1].bits: only a 'bitfield' has a width in bits (a bool is "
+        "one bit); got bits = 3 on a bool",
+    ),
+    (
+        "int64 without a scale",
+        replace('type = "bitfield"\nbit = 4\nbits = 3', 'type = "int64"'),
+        "sources.modbus[0].registers[1].scale: required on an int64: its value travels as a "
+        "float, not an exact integer (float32 in windows, memory and telemetry: about 7 "
+        "significant digits); write the scale that gives the units you need (1.0: raw units, "
+        "rounded)",
+    ),
+    (
+        "uint64 without a scale",
+        replace('type = "bitfield"\nbit = 4\nbits = 3', 'type = "uint64"'),
+        "sources.modbus[0].registers[1].scale: required on an uint64: its value travels as a float",
+    ),
+    (
         "bitfield past the register",
         replace("bit = 4", "bit = 14"),
         "sources.modbus[0].registers[1].bits: expected bit + bits <= 16; got bit=14, bits=3",
@@ -401,6 +438,30 @@ BAD += [
 def test_bad_config_names_path_value_and_expectation(text: str, message: str) -> None:
     errors = parse(text)
     assert any(e.startswith(message) for e in errors), errors
+
+
+def test_byte_order_is_accepted_where_it_applies() -> None:
+    """Every order on a bitfield or a bool bit of a holding register (the codec swaps the
+    word's bytes for BADC/DCBA); the bit keys where the type picks bits."""
+    for order in ("ABCD", "CDAB", "BADC", "DCBA"):
+        text = replace('type = "bitfield"', f'type = "bitfield"\norder = "{order}"')
+        mb = parse_config(text, base_dir=DATA).sources[0]
+        assert isinstance(mb, ModbusSpec)
+        assert (mb.registers[1].order, mb.registers[1].bit, mb.registers[1].bits) == (order, 4, 3)
+    flag = replace("bits = 3\n", "").replace('type = "bitfield"', 'type = "bool"\norder = "BADC"')
+    mb = parse_config(flag, base_dir=DATA).sources[0]
+    assert isinstance(mb, ModbusSpec)
+    assert (mb.registers[1].type, mb.registers[1].order, mb.registers[1].bit) == ("bool", "BADC", 4)
+
+
+def test_a_64_bit_register_with_a_scale_is_accepted() -> None:
+    for t in ("int64", "uint64"):
+        text = replace('type = "bitfield"\nbit = 4\nbits = 3', f'type = "{t}"\nscale = 1.0')
+        mb = parse_config(text, base_dir=DATA).sources[0]
+        assert isinstance(mb, ModbusSpec)
+        assert (mb.registers[1].type, mb.registers[1].scale) == (t, 1.0)
+    errors = parse(replace('type = "bitfield"\nbit = 4\nbits = 3', 'type = "int64"'))
+    assert len(errors) == 1, errors  # one line for one problem
 
 
 def test_every_error_is_reported_not_just_the_first() -> None:

@@ -118,6 +118,10 @@ def test_split_block_gives_one_read_per_value() -> None:
         (RegisterSpec("x", 0, unit=0), r"registers\[1\]\.unit"),
         (RegisterSpec("x", 0, function="coil", type="float32"), r"registers\[1\]\.type"),
         (RegisterSpec("x", 0, type="bitfield", bit=12, bits=8), r"registers\[1\]\.bit/bits"),
+        (
+            RegisterSpec("x", 0, function="coil", type="bool", order="BADC"),
+            r"registers\[1\]\.order: a coil is one bit",
+        ),
         (RegisterSpec("ok", 3), r"registers\[1\]\.name: 'ok' is used"),
         (RegisterSpec("x", 0, poll_ms=-1), r"registers\[1\]\.poll_ms"),
     ],

@@ -56,6 +56,10 @@ def test_client_maps_pymodbus_failures_to_our_errors() -> None:
                 with pytest.raises(ModbusExceptionResponse) as refused:
                     await client.read("holding", 1, 99, 2)  # runs past the mapped 100
                 assert (refused.value.code, refused.value.unit, refused.value.address) == (2, 1, 99)
+                assert refused.value.name == "illegal data address"
+                assert "exception code 2 (illegal data address) reading holding 99+2" in str(
+                    refused.value
+                )
 
                 t0 = time.monotonic()
                 with pytest.raises(ModbusTimeout) as silent:
@@ -68,7 +72,9 @@ def test_client_maps_pymodbus_failures_to_our_errors() -> None:
             assert not client.connected
 
         async with ModbusClient(_spec(peer.port)) as client:  # server gone: refused
-            with pytest.raises(ModbusConnectionError):
+            with pytest.raises(
+                ModbusConnectionError, match=r"127\.0\.0\.1:\d+: connection refused$"
+            ):
                 await client.read("holding", 1, 0, 1)
 
     asyncio.run(main())

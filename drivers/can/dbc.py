@@ -241,6 +241,16 @@ class FrameDecoder:
         self.samples += n
         return n
 
+    def selection(self) -> list[tuple[FrameKey, DbcMessage, str, str]]:
+        """``(frame key, DBC message, DBC signal name, emitted name)`` per selected signal,
+        in emitted-name order: what a one-off reader (``edge-agent read``) listens for."""
+        rows = [
+            (key, plan.message, sig, name)
+            for key, plan in self._plans.items()
+            for sig, name in plan.names.items()
+        ]
+        return sorted(rows, key=lambda r: r[3])
+
     @property
     def unknown_ids(self) -> dict[FrameKey, int]:
         """Frames seen per unknown ``(frame_id, is_extended)`` (a copy; bounded)."""

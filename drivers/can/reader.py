@@ -48,6 +48,34 @@ MAX_RECV_TIMEOUT_S: Final = 0.25
 BusFactory = Callable[[], can.BusABC]
 
 
+def open_bus(spec: CanSpec, factory: BusFactory | None = None) -> can.BusABC:
+    """Open ``spec``'s bus (``can.Bus(interface, channel, bitrate, **options)``, or
+    ``factory()``) with python-can's errors turned into ours.
+
+    Raises :class:`DriverConfigError` for what retrying cannot fix (a missing driver, bad
+    options) and :class:`CanBusError` for what it may (no such interface yet, bus error).
+    """
+    try:
+        if factory is not None:
+            return factory()
+        kwargs: dict[str, Any] = dict(spec.options)
+        if spec.bitrate is not None:
+            kwargs["bitrate"] = spec.bitrate
+        return can.Bus(interface=spec.interface, channel=spec.channel, **kwargs)
+    except can.CanInterfaceNotImplementedError as exc:
+        # A driver library or optional dependency is missing: retrying cannot help.
+        raise DriverConfigError(
+            f"can source {spec.name!r}: interface {spec.interface!r} is not available: {exc}"
+        ) from exc
+    except (TypeError, ValueError) as exc:
+        raise DriverConfigError(
+            f"can source {spec.name!r}: bad bus options {dict(spec.options)!r} "
+            f"for {spec.interface!r}: {exc}"
+        ) from exc
+    except (can.CanError, OSError) as exc:
+        raise CanBusError(f"cannot open {spec.interface} {spec.channel}: {exc}") from exc
+
+
 class CanSource:
     """Reads one CAN interface and emits the DBC signals of :class:`CanSpec`.
 
@@ -83,7 +111,7 @@ class CanSource:
         self.name = spec.name
         self.spec = spec
         self._decoder = FrameDecoder.from_file(spec.dbc, signals=spec.signals, prefix=spec.prefix)
-        self._bus_factory: BusFactory = bus_factory if bus_factory is not None else self._open_bus
+        self._bus_factory = bus_factory
         self._rng = rng if rng is not None else random.Random()
         self._recv_timeout_s = min(spec.recv_timeout_ms / 1000.0, MAX_RECV_TIMEOUT_S)
         self._running = False
@@ -110,10 +138,12 @@ class CanSource:
         ``frames`` counts every data frame received (error and remote frames are counted
         apart); ``bus_errors`` counts failed opens and failed reads; ``reconnects`` counts
         successful re-opens after a failure. ``state`` is ``idle``, ``connecting``,
-        ``open``, ``backoff`` or ``stopped``.
+        ``open``, ``backoff`` or ``stopped``; ``up`` is 1 only while ``open``.
+        ``last_error`` is the latest bus fault (kept after the bus is back).
         """
         out: dict[str, int | float | str] = dict(self._decoder.stats())
         out.update(
+            up=int(self.state == "open"),
             error_frames=self.error_frames,
             remote_frames=self.remote_frames,
             bus_errors=self.bus_errors,
@@ -143,30 +173,8 @@ class CanSource:
 
     # -- reader thread ---------------------------------------------------------------
 
-    def _open_bus(self) -> can.BusABC:
-        kwargs: dict[str, Any] = dict(self.spec.options)
-        if self.spec.bitrate is not None:
-            kwargs["bitrate"] = self.spec.bitrate
-        return can.Bus(interface=self.spec.interface, channel=self.spec.channel, **kwargs)
-
     def _connect(self) -> can.BusABC:
-        try:
-            return self._bus_factory()
-        except can.CanInterfaceNotImplementedError as exc:
-            # A driver library or optional dependency is missing: retrying cannot help.
-            raise DriverConfigError(
-                f"can source {self.name!r}: interface {self.spec.interface!r} "
-                f"is not available: {exc}"
-            ) from exc
-        except (TypeError, ValueError) as exc:
-            raise DriverConfigError(
-                f"can source {self.name!r}: bad bus options {dict(self.spec.options)!r} "
-                f"for {self.spec.interface!r}: {exc}"
-            ) from exc
-        except (can.CanError, OSError) as exc:
-            raise CanBusError(
-                f"cannot open {self.spec.interface} {self.spec.channel}: {exc}"
-            ) from exc
+        return open_bus(self.spec, self._bus_factory)
 
     def _read_forever(self, sink: SampleBuffer, stop: threading.Event) -> None:
         attempt = 0

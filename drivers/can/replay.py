@@ -89,12 +89,15 @@ class ReplaySource:
         ``position`` is the number of frames emitted in the current pass; ``frames_total``
         the frames in one pass, known once the first pass has read to the end (0 before:
         counting up front would mean reading a large capture twice); ``passes`` the
-        completed passes. ``state`` is ``idle``, ``playing``, ``finished`` or ``stopped``.
+        completed passes. ``state`` is ``idle``, ``playing``, ``finished`` or ``stopped``;
+        ``up`` is 1 while ``playing`` and once ``finished`` (the capture was read: a quiet
+        bus, not a broken one).
         """
         out: dict[str, int | float | str] = dict(self._decoder.stats())
         out["malformed_lines"] = sum(self.malformed.values())
         out.update({f"malformed.{reason}": n for reason, n in sorted(self.malformed.items())})
         out.update(
+            up=int(self.state in ("playing", "finished")),
             error_frames=self.error_frames,
             remote_frames=self.remote_frames,
             frames_total=self.frames_total,

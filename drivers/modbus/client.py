@@ -22,13 +22,17 @@ Behaviour of pymodbus 3.11.4 this adapter relies on (re-check when the pin moves
   ``Task.cancelling()`` after every reply and raise it again.
 * A connection lost mid-request is not reported to the waiting request; it runs into its
   timeout. We notice the disconnect (``trace_connect``) and report a connection error.
+* ``connect()`` logs why a connect failed and returns ``False``. We wrap its transport's
+  ``call_create`` to keep the ``OSError``/timeout, so the error says "connection refused"
+  or "no route to host" rather than only "cannot connect".
 """
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 from pymodbus import FramerType
 from pymodbus.client import AsyncModbusSerialClient, AsyncModbusTcpClient
@@ -40,6 +44,7 @@ from drivers.errors import (
     ModbusError,
     ModbusExceptionResponse,
     ModbusTimeout,
+    modbus_exception_name,
 )
 from drivers.specs import ModbusSpec, RegisterFunction
 
@@ -93,6 +98,7 @@ class ModbusClient:
         self._disconnects = 0
         self._client: AsyncModbusTcpClient | AsyncModbusSerialClient | None = None
         self._calls: dict[RegisterFunction, _ReadCall] = {}
+        self._connect_failure: BaseException | None = None
         if spec.transport == "tcp":
             self._where = f"{spec.host}:{spec.port}"
         else:
@@ -102,6 +108,7 @@ class ModbusClient:
         # pymodbus binds to the running loop in its constructor, so build it here.
         self._client = self._make_client()
         c = self._client
+        self._keep_connect_failures(c)
         self._calls = {
             "holding": c.read_holding_registers,
             "input": c.read_input_registers,
@@ -133,12 +140,14 @@ class ModbusClient:
         client = self._require_client()
         if client.connected:
             return
+        self._connect_failure = None
         try:
             ok = await client.connect()
         except _OPEN_ERRORS as exc:
             raise ModbusConnectionError(f"cannot open {self._where}: {exc}") from exc
         if not ok or not client.connected:
-            raise ModbusConnectionError(f"cannot connect to {self._where}")
+            why = _describe(self._connect_failure, self.spec.timeout_ms)
+            raise ModbusConnectionError(f"cannot connect to {self._where}{why}")
         self.connects += 1
 
     async def read(
@@ -175,8 +184,8 @@ class ModbusClient:
             if isinstance(reply, ExceptionResponse):
                 code = reply.exception_code
                 raise ModbusExceptionResponse(
-                    f"unit {unit} answered exception code {code} reading {function} "
-                    f"{address}+{count}",
+                    f"unit {unit} answered exception code {code} ({modbus_exception_name(code)}) "
+                    f"reading {function} {address}+{count}",
                     code=code,
                     unit=unit,
                     address=address,
@@ -245,6 +254,23 @@ class ModbusClient:
             )
         return ModbusError(f"unit {unit}: {text}", unit=unit, address=address)
 
+    def _keep_connect_failures(
+        self, client: AsyncModbusTcpClient | AsyncModbusSerialClient
+    ) -> None:
+        ctx = getattr(client, "ctx", None)
+        create = getattr(ctx, "call_create", None)
+        if ctx is None or create is None:  # another pymodbus: the message stays shorter
+            return
+
+        async def call_create() -> Any:
+            try:
+                return await create()
+            except (OSError, TimeoutError) as exc:
+                self._connect_failure = exc
+                raise
+
+        ctx.call_create = call_create
+
     def _on_connect(self, connected: bool) -> None:
         if not connected:
             self._disconnects += 1
@@ -280,3 +306,15 @@ class ModbusClient:
             reconnect_delay=0,
             trace_connect=self._on_connect,
         )
+
+
+def _describe(exc: BaseException | None, timeout_ms: int) -> str:
+    """``": connection refused"``-style detail of a failed connect ('' when unknown)."""
+    if exc is None:
+        return ""
+    if isinstance(exc, TimeoutError):
+        return f": no answer within {timeout_ms} ms"
+    if isinstance(exc, OSError) and exc.errno:
+        # asyncio's strerror is "Connect call failed (host, port)"; the errno says why.
+        return f": {os.strerror(exc.errno).lower()}"
+    return f": {exc}"

@@ -12,7 +12,19 @@ DCBA   ``DC BA``                    fully little-endian
 =====  ==========================  ==========================
 
 The same two switches (reverse word order, swap bytes in a word) apply to 16- and 64-bit
-values, so ``CDAB`` on a float64 ``A..H`` is ``GH EF CD AB``.
+values, so ``CDAB`` on a float64 ``A..H`` is ``GH EF CD AB``. A one-register value has no
+word order: ``ABCD`` = ``CDAB`` and ``BADC`` = ``DCBA`` (its two bytes swapped). ``bool`` and
+``bitfield`` on a holding/input register are one-register values too: the word is put in
+order first and ``bit``/``bits`` count from its least significant bit, so bits 0-7 of a
+``BADC`` register are the first byte on the wire (the high byte of the word as read).
+Coils and discrete inputs are single bits; an order on them is refused.
+
+:func:`decode_raw` gives integer types as an exact ``int`` (``edge-agent read`` shows a
+64-bit value as the device sent it). :func:`decode` and the poller's :func:`decoder` give
+``raw * scale + offset`` as a ``float``, a sample's value: exact for integers up to 2^53
+there, and up to 2^24 once perception puts it in a float32 window (what memory and
+telemetry carry: about 7 significant digits). That is why the config asks for an explicit
+``scale`` on int64/uint64 registers.
 """
 
 import struct
@@ -49,6 +61,17 @@ def _to_wire(big_endian: bytes, order: WordOrder) -> list[int]:
     return [int.from_bytes(w, "big") for w in words]
 
 
+def _swap16(word: int) -> int:
+    return ((word & 0xFF) << 8) | (word >> 8)
+
+
+def _bit_word(spec: RegisterSpec, word: int) -> int:
+    """The register holding a ``bool``/``bitfield``, in order (coil bits pass as they are)."""
+    if spec.function in ("holding", "input") and _bytes_swapped(spec.order):
+        return _swap16(word)
+    return int(word)
+
+
 def _from_wire(registers: Sequence[int], order: WordOrder) -> bytes:
     words = [r.to_bytes(2, "big") for r in registers]
     if _bytes_swapped(order):
@@ -58,35 +81,40 @@ def _from_wire(registers: Sequence[int], order: WordOrder) -> bytes:
     return b"".join(words)
 
 
-def decode_raw(spec: RegisterSpec, registers: Sequence[int]) -> float:
-    """The raw (unscaled) value of ``spec`` from exactly ``spec.width`` register words."""
+def decode_raw(spec: RegisterSpec, registers: Sequence[int]) -> int | float:
+    """The raw (unscaled) value of ``spec`` from exactly ``spec.width`` register words.
+
+    Exact: an ``int`` for integer types, bools and bitfields, a ``float`` for float types.
+    """
     if len(registers) != spec.width:
         raise ValueError(f"{spec.name}: expected {spec.width} registers, got {len(registers)}")
     if spec.type == "bool":
-        return float((registers[0] >> spec.bit) & 1)
+        return (_bit_word(spec, registers[0]) >> spec.bit) & 1
     if spec.type == "bitfield":
-        return float((registers[0] >> spec.bit) & ((1 << spec.bits) - 1))
+        return (_bit_word(spec, registers[0]) >> spec.bit) & ((1 << spec.bits) - 1)
+    value: int | float
     (value,) = struct.unpack(_STRUCT[spec.type], _from_wire(registers, spec.order))
-    return float(value)
+    return value
 
 
 def decode(spec: RegisterSpec, registers: Sequence[int]) -> float:
-    """The scaled value: ``raw * scale + offset``."""
+    """The scaled value: ``raw * scale + offset``, a float (the sample's value)."""
     return decode_raw(spec, registers) * spec.scale + spec.offset
 
 
-def encode_raw(spec: RegisterSpec, raw: float) -> list[int]:
+def encode_raw(spec: RegisterSpec, raw: int | float) -> list[int]:
     """Register words that :func:`decode_raw` turns back into ``raw``.
 
     Integer types round to the nearest integer and raise ``ValueError`` when it does not
-    fit, so a simulator never writes a silently wrapped value.
+    fit, so a simulator never writes a silently wrapped value. An ``int`` is taken exactly:
+    ``encode_raw(int64, 2**63 - 1)`` works where the float ``2.0**63`` does not fit.
     """
     if spec.type in ("bool", "bitfield"):
         width = 1 if spec.type == "bool" else spec.bits
         field = round(raw)
         if not 0 <= field < (1 << width):
             raise ValueError(f"{spec.name}: {raw} does not fit in {width} bit(s)")
-        return [field << spec.bit]
+        return [_bit_word(spec, field << spec.bit)]
     fmt = _STRUCT[spec.type]
     try:
         packed = struct.pack(fmt, raw if spec.type.startswith("float") else round(raw))
@@ -118,6 +146,13 @@ def decoder(spec: RegisterSpec) -> Callable[[Sequence[int], int], float]:
     if spec.type in ("bool", "bitfield"):
         shift = spec.bit
         mask = 1 if spec.type == "bool" else (1 << spec.bits) - 1
+        if spec.function in ("holding", "input") and _bytes_swapped(spec.order):
+            # The field is read from the word with its two bytes swapped back.
+            def swapped(regs: Sequence[int], i: int) -> float:
+                w = regs[i]
+                return float(((((w & 0xFF) << 8) | (w >> 8)) >> shift) & mask) * scale + offset
+
+            return swapped
         if plain:
             return lambda regs, i: float((regs[i] >> shift) & mask)
         return lambda regs, i: float((regs[i] >> shift) & mask) * scale + offset

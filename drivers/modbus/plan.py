@@ -94,6 +94,11 @@ def validate(spec: ModbusSpec) -> None:
                     f"{at}.type: a {reg.function} is one bit; expected type 'bool' with bit 0, "
                     f"got {reg.type!r} bit {reg.bit}"
                 )
+            if reg.order != "ABCD":
+                raise DriverConfigError(
+                    f"{at}.order: a {reg.function} is one bit, it has no byte order; "
+                    f"got {reg.order!r}"
+                )
         elif reg.width > spec.max_registers:
             raise DriverConfigError(
                 f"{at}.type: {reg.type} needs {reg.width} registers, more than "

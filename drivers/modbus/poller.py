@@ -14,8 +14,11 @@ Fault handling, by who is at fault:
   alive, so it is not backed off; the code is counted and logged when it changes. A
   coalesced block refused with code 2 is split into one read per value once, because the
   hole between two values is usually what the device does not map.
-* **The port** (cannot connect, connection lost): every unit waits, the port backs off and
-  reconnects; each successful reconnect is counted.
+* **The port** (cannot connect, connection lost): every unit waits (``unreachable``), the
+  port backs off and reconnects; each successful reconnect is counted.
+
+The source is ``up`` only while the port is open and at least one unit answers: data that
+came in before the device went away does not make it up.
 """
 
 import asyncio
@@ -48,15 +51,26 @@ _ILLEGAL_DATA_ADDRESS = 2
 
 
 class _UnitState:
-    __slots__ = ("exception_responses", "failures", "id", "state", "timeouts", "until")
+    __slots__ = (
+        "exception_responses",
+        "failures",
+        "id",
+        "last_error",
+        "state",
+        "timeouts",
+        "until",
+    )
 
     def __init__(self, unit: int) -> None:
         self.id = unit
-        self.state = "unknown"  # -> "ok" after an answer, "backoff" while failing
+        # "unknown" until asked; "ok" after an answer, "backoff" while failing itself,
+        # "unreachable" while the port is down (then "unknown" again once it is back).
+        self.state = "unknown"
         self.failures = 0  # consecutive failures, drives the backoff exponent
         self.until = 0.0  # monotonic time the backoff ends
         self.timeouts = 0
         self.exception_responses = 0
+        self.last_error = ""
 
 
 class _BlockState:
@@ -113,6 +127,7 @@ class ModbusSource:
         self.samples = 0
         self.late_polls = 0
         self.splits = 0
+        self.last_error = ""
 
     def stats(self) -> Mapping[str, int | float | str]:
         """Counters since construction, plus ``unit.<id>.*`` per unit.
@@ -125,11 +140,19 @@ class ModbusSource:
         the connection for silent units. ``late_polls`` counts polls that finished after
         their next slot was due (the port cannot keep up with the poll periods);
         ``blocks_split`` counts coalesced blocks split after "illegal data address".
-        ``unit.<id>.state`` is ``unknown`` before the first answer, then ``ok`` or
-        ``backoff``.
+
+        ``up`` is 1 while the port is connected and at least one unit's last request was
+        answered (data or an exception reply: the unit is there). ``last_error`` is the
+        latest failure of any kind (port, unit or exception reply); it stays after recovery.
+        ``unit.<id>.state`` is ``unknown`` before the unit is asked, then ``ok``,
+        ``backoff`` (it timed out or its gateway says it is gone) or ``unreachable`` (the
+        port is down); ``unit.<id>.last_error`` is why it last was not ``ok``.
         """
         client = self._client
+        connected = client is not None and client.connected
         out: dict[str, int | float | str] = {
+            "up": int(connected and any(u.state == "ok" for u in self._units.values())),
+            "last_error": self.last_error,
             "requests": self.requests,
             "replies": self.replies,
             "timeouts": self.timeouts,
@@ -137,7 +160,7 @@ class ModbusSource:
             "errors": self.errors,
             "connection_errors": self.connection_errors,
             "reconnects": max(0, client.connects - 1) if client is not None else 0,
-            "connected": int(client is not None and client.connected),
+            "connected": int(connected),
             "samples": self.samples,
             "late_polls": self.late_polls,
             "blocks_split": self.splits,
@@ -147,6 +170,7 @@ class ModbusSource:
             out[f"unit.{uid}.state"] = u.state
             out[f"unit.{uid}.timeouts"] = u.timeouts
             out[f"unit.{uid}.exception_responses"] = u.exception_responses
+            out[f"unit.{uid}.last_error"] = u.last_error
         return out
 
     async def run(self, sink: SampleBuffer) -> None:
@@ -277,6 +301,7 @@ class ModbusSource:
         unit, block = st.unit, st.block
         self.exception_responses += 1
         unit.exception_responses += 1
+        self.last_error = str(exc)
         if exc.code in _GATEWAY_CODES:
             self._unit_failed(unit, exc)
             return None
@@ -321,6 +346,7 @@ class ModbusSource:
         )
         unit.failures += 1
         unit.until = time.monotonic() + delay
+        unit.last_error = self.last_error = str(exc)
         if unit.state != "backoff":
             log.warning(
                 "%s: unit %d failed (%s); skipping it, next try in %.1f s",
@@ -346,6 +372,11 @@ class ModbusSource:
 
     async def _port_down(self, exc: ModbusConnectionError) -> None:
         self.connection_errors += 1
+        self.last_error = str(exc)
+        for unit in self._units.values():
+            # Not the unit's fault: its failure count (backoff) is left alone.
+            unit.state = "unreachable"
+            unit.last_error = str(exc)
         delay = backoff_delay(
             self._port_failures,
             base_s=self.spec.backoff_min_ms / 1000.0,
@@ -370,3 +401,5 @@ class ModbusSource:
         # count stays, so a unit that really is dead resumes its backoff where it was.
         for unit in self._units.values():
             unit.until = 0.0
+            if unit.state == "unreachable":
+                unit.state = "unknown"
