@@ -36,6 +36,13 @@ KIND_PERMISSION: dict[str, str] = {
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
 MAX_PAYLOADS = 64
 MAX_PROBATION_S = 3600
+#: A probation's length when the bundle does not set one. At the default perception (a
+#: 64-step window every 64 steps at 100 Hz: 1.56 windows/s) it scores ~31 windows: the
+#: :data:`DEFAULT_MIN_WINDOWS` with margin for a loaded gateway, and the 20 the latency
+#: regression rule needs (:data:`ota.probation.REGRESSION_MIN_WINDOWS`).
+DEFAULT_PROBATION_S = 20
+#: Windows the new version must score before a probation can pass, unless the bundle says.
+DEFAULT_MIN_WINDOWS = 10
 
 Sha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")]
@@ -82,7 +89,7 @@ class Compat(msgspec.Struct, frozen=True):
 class Probation(msgspec.Struct, frozen=True):
     """How long the new version is watched, and the limits it must keep meanwhile."""
 
-    seconds: Annotated[int, msgspec.Meta(ge=0, le=MAX_PROBATION_S)] = 3
+    seconds: Annotated[int, msgspec.Meta(ge=0, le=MAX_PROBATION_S)] = DEFAULT_PROBATION_S
     #: Reasoning-stage P99 over the probation, µs (0: only the +regression_pct rule).
     p99_us: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] = 0
     #: Allowed P99 growth against the same device's pre-update baseline, percent.
@@ -90,7 +97,7 @@ class Probation(msgspec.Struct, frozen=True):
     #: Allowed resident-memory growth against the pre-update baseline, percent.
     memory_pct: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 10
     #: Windows the new version must score before a pass is possible (no signal = failure).
-    min_windows: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10
+    min_windows: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = DEFAULT_MIN_WINDOWS
 
 
 class Signed(msgspec.Struct, frozen=True):

@@ -11,7 +11,8 @@ manifest is. Step by step:
    ``bundles`` keys over its canonical bytes (a key counts once);
 4. ``signed`` is checked field by field; then expiry, compat (device type, agent version),
    permissions (the device grants the kind's own permission and every listed one),
-   anti-rollback (counter above the kind's floor; equal is "already installed");
+   anti-rollback (counter above the kind's floor; equal is "already installed"), and that
+   the probation can score its minimum of windows at the device's window rate;
 5. the members after the manifest are exactly the listed payloads, in the listed order,
    each with its declared length; each payload's sha256 is computed while streaming;
    then only zero padding may follow;
@@ -47,11 +48,13 @@ from ota.errors import (
     MalformedBundle,
     PayloadMismatch,
     PermissionDenied,
+    ProbationUnreachable,
     RollbackRejected,
     SignatureInvalid,
     TrustError,
 )
 from ota.manifest import KIND_PERMISSION, Payload, Signed, parse_signed
+from ota.probation import unreachable
 from ota.store import ContentStore
 from ota.trust import TrustRoot, explain, signers, split_envelope
 
@@ -72,6 +75,9 @@ class Policy:
     permissions: frozenset[str]
     max_bundle_bytes: int = MAX_BUNDLE_BYTES
     max_manifest_bytes: int = MAX_MANIFEST_BYTES
+    #: Windows the device scores per second (perception rate / hop); None: not checked
+    #: (``fleet bundle inspect`` without a target rate).
+    windows_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,10 @@ def _check_policy(m: Signed, policy: Policy, floors: Mapping[str, int], now: dat
             raise AlreadyInstalled(
                 f"bundle {m.bundle_id} {m.version}: counter {m.counter} is already installed"
             )
+    if policy.windows_per_s is not None:
+        why = unreachable(m.probation, policy.windows_per_s, where=" on this device")
+        if why:
+            raise ProbationUnreachable(f"bundle {m.bundle_id}: {why}")
 
 
 def read_manifest(
