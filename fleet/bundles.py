@@ -35,7 +35,7 @@ from ota import build as ota_build
 from ota import keys as ota_keys
 from ota import trust as ota_trust
 from ota.canonical import canonical, loads_strict
-from ota.efb import BundleReader, write_bundle
+from ota.efb import NOT_A_BUNDLE, BundleReader, write_bundle
 from ota.errors import MalformedBundle, OtaError
 from ota.fsutil import fsync_dir
 from ota.manifest import DEFAULT_PROBATION_S, KINDS, Signed, parse_signed
@@ -154,8 +154,12 @@ def read_bundle(path: Path) -> BundleFile:
         try:
             first = reader.next_member()
             if first is None or first.name != "manifest.json":
-                got = "no members" if first is None else repr(first.name)
-                raise BundleError(f"{path}: the first member must be manifest.json; got {got}")
+                why = (
+                    "an empty tar (no member)"
+                    if first is None
+                    else f"a tar whose first member is {first.name!r}, not manifest.json"
+                )
+                raise BundleError(f"{path}: {NOT_A_BUNDLE}: {why}")
             if first.size > MAX_MANIFEST_BYTES:
                 raise BundleError(
                     f"{path}: manifest.json is {first.size} bytes; at most {MAX_MANIFEST_BYTES}"

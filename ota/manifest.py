@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
+from ota.efb import name_problem
 from ota.errors import MalformedBundle
 from ota.timefmt import parse_utc
 
@@ -138,13 +139,37 @@ REQUIRED_PAYLOADS: dict[str, tuple[str, ...]] = {
 _WHEEL = re.compile(r"^[A-Za-z0-9_.]+-[A-Za-z0-9_.!+]+(-[A-Za-z0-9_.]+){3}\.whl$")
 
 
+_PAYLOAD_NAME_AT = re.compile(r"signed\.payloads\[(\d+)\]\.name")
+_MEMBER_NAME_RULE = (
+    "expected a plain file name (letters, digits, '.', '_', '-'; starting with a letter or "
+    "digit; at most 100 characters)"
+)
+
+
+def _check_payload_names(signed: dict[str, Any]) -> None:
+    """A payload name that is a path is refused in words, before the schema's pattern."""
+    payloads = signed.get("payloads")
+    if not isinstance(payloads, list):
+        return
+    for i, p in enumerate(payloads):
+        name = p.get("name") if isinstance(p, dict) else None
+        why = name_problem(name) if isinstance(name, str) else ""
+        if why:
+            raise MalformedBundle(f"manifest: signed.payloads[{i}].name {name!r} {why}")
+
+
 def parse_signed(signed: dict[str, Any]) -> Signed:
     """Check ``signed`` field by field; :class:`MalformedBundle` names the first fault."""
+    _check_payload_names(signed)
     try:
         m = msgspec.convert(signed, Signed, strict=True)
     except msgspec.ValidationError as exc:
         reason, _, where = str(exc).partition(" - at `")
         path = where.rstrip("`").replace("$", "signed", 1) if where else "signed"
+        at = _PAYLOAD_NAME_AT.fullmatch(path)
+        if at and "regex" in reason:
+            name = signed["payloads"][int(at.group(1))]["name"]
+            reason = f"{name!r}: {_MEMBER_NAME_RULE}"
         raise MalformedBundle(f"manifest: {path}: {reason}") from None
     if parse_utc(m.expires) is None:
         raise MalformedBundle(f"manifest: signed.expires: not a real instant: {m.expires!r}")

@@ -40,7 +40,7 @@ import bsdiff4
 from packaging.version import InvalidVersion, Version
 
 from ota.canonical import canonical, loads_strict
-from ota.efb import BundleReader
+from ota.efb import NOT_A_BUNDLE, BundleReader
 from ota.errors import (
     AlreadyInstalled,
     BundleExpired,
@@ -165,9 +165,11 @@ def read_manifest(
     """Steps 2-4 up to the policy: the manifest member, its signatures, its schema."""
     first = reader.next_member()
     if first is None:
-        raise MalformedBundle("empty bundle: no members")
+        raise MalformedBundle(f"{NOT_A_BUNDLE}: an empty tar (no member)")
     if first.name != "manifest.json":
-        raise MalformedBundle(f"member 0 is {first.name!r}; the first member must be manifest.json")
+        raise MalformedBundle(
+            f"{NOT_A_BUNDLE}: a tar whose first member is {first.name!r}, not manifest.json"
+        )
     if first.size > max_bytes:
         raise MalformedBundle(f"manifest.json: {first.size} bytes; the limit is {max_bytes}")
     data = b"".join(bytes(c) for c in reader.read(first))
@@ -221,7 +223,7 @@ def verify_bundle(
                 f"{path.name}: {size} bytes; the limit is {policy.max_bundle_bytes}"
             )
         if size == 0:
-            raise MalformedBundle(f"{path.name}: empty file")
+            raise MalformedBundle(f"{path.name}: {NOT_A_BUNDLE}: an empty file")
         reader = BundleReader(f, size)
         m, manifest_sha = read_manifest(reader, root, now, max_bytes=policy.max_manifest_bytes)
         _check_policy(m, policy, floors, now)
