@@ -130,8 +130,10 @@ class Signed(msgspec.Struct, frozen=True):
         raise KeyError(name)
 
 
-#: Payloads each kind must carry (names are what the device looks for).
-REQUIRED_PAYLOADS: dict[str, tuple[str, ...]] = {
+#: The payloads of each kind (DESIGN.md section 5; names are what the device looks for):
+#: these and nothing else, so no signed byte is carried that a device would ignore. An
+#: ``agent`` bundle carries exactly one wheel instead (:data:`_WHEEL`).
+KIND_PAYLOADS: dict[str, tuple[str, ...]] = {
     "model": ("model.tflite", "model.json"),
     "config": ("agent.toml",),
     "agent": (),
@@ -195,11 +197,25 @@ def parse_signed(signed: dict[str, Any]) -> Signed:
         raise MalformedBundle(
             f"manifest: payloads total {total} bytes; at most {MAX_PAYLOAD_BYTES}"
         )
-    missing = [n for n in REQUIRED_PAYLOADS[m.kind] if n not in names]
-    if missing:
-        raise MalformedBundle(f"manifest: a {m.kind} bundle needs payload(s) {missing}")
-    if m.kind == "agent":
-        wheels = [n for n in names if n.endswith(".whl")]
-        if len(wheels) != 1 or not _WHEEL.match(wheels[0]):
-            raise MalformedBundle("manifest: an agent bundle carries exactly one wheel (*.whl)")
+    _check_kind_payloads(m.kind, names)
     return m
+
+
+def _check_kind_payloads(kind: str, names: list[str]) -> None:
+    if kind == "agent":
+        if len(names) != 1 or not _WHEEL.match(names[0]):
+            raise MalformedBundle(
+                f"manifest: an agent bundle carries exactly one wheel (*.whl) and nothing "
+                f"else; it lists {names}"
+            )
+        return
+    wanted = KIND_PAYLOADS[kind]
+    missing = [n for n in wanted if n not in names]
+    if missing:
+        raise MalformedBundle(f"manifest: a {kind} bundle needs payload(s) {missing}")
+    extra = [n for n in names if n not in wanted]
+    if extra:
+        raise MalformedBundle(
+            f"manifest: a {kind} bundle carries {' and '.join(wanted)} only; {extra} "
+            "would be ignored by devices"
+        )

@@ -520,6 +520,32 @@ def test_a_missing_field_is_named(env: Env) -> None:
     refused(env, env.bundle(signed=signed), MalformedBundle, "missing required field `counter`")
 
 
+@pytest.mark.parametrize(
+    ("kind", "payloads", "why"),
+    [
+        (
+            "model",
+            [*members(), ("notes.txt", b"x")],
+            "a model bundle carries model.tflite and model.json only; ['notes.txt'] would be "
+            "ignored by devices",
+        ),
+        (
+            "config",
+            [("agent.toml", b'[device]\nname = "gw-1"\n'), ("model.tflite", TFLITE)],
+            "a config bundle carries agent.toml only; ['model.tflite'] would be ignored",
+        ),
+    ],
+)
+def test_a_bundle_carries_its_kinds_payloads_and_nothing_else(
+    env: Env, kind: str, payloads: list[tuple[str, bytes]], why: str
+) -> None:
+    perms = build.default_permissions(kind)
+    signed = signed_for(payloads, kind=kind, required_permissions=perms)
+    policy = Policy("motor-drive", "0.1.0", frozenset(perms))
+    path = env.bundle(payloads=payloads, signed=signed)
+    refused(env, path, MalformedBundle, why, policy=policy)
+
+
 def test_payload_name_that_is_a_path(env: Env) -> None:
     payloads = [("model.tflite", TFLITE), ("model.json", MODEL_JSON)]
     signed = signed_for(payloads)
@@ -548,16 +574,17 @@ def test_a_config_bundle_verifies(env: Env) -> None:
 
 
 @pytest.mark.parametrize(
-    ("wheels", "ok"),
+    ("names", "ok"),
     [
         (["edgefleet-0.2.0-py3-none-any.whl"], True),
         (["edgefleet.whl"], False),
         (["edgefleet-0.2.0-py3-none-any.whl", "other-1.0-py3-none-any.whl"], False),
-        ([], False),
+        (["edgefleet-0.2.0-py3-none-any.whl", "NOTES"], False),
+        (["NOTES"], False),
     ],
 )
-def test_an_agent_bundle_carries_exactly_one_wheel(env: Env, wheels: list[str], ok: bool) -> None:
-    payloads = [(w, b"PK wheel " + w.encode()) for w in wheels] + [("NOTES", b"x")]
+def test_an_agent_bundle_carries_exactly_one_wheel(env: Env, names: list[str], ok: bool) -> None:
+    payloads = [(w, b"PK wheel " + w.encode()) for w in names]
     signed = signed_for(payloads, kind="agent", required_permissions=["agent:replace"])
     policy = Policy("motor-drive", "0.1.0", frozenset({"agent:replace"}))
     path = env.bundle(payloads=payloads, signed=signed)
