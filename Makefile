@@ -63,7 +63,7 @@ $(TRAIN_VENV)/.installed-edgefleet: pyproject.toml
 	@touch $@
 
 ## demo: the whole story live: a broker, fleet serve, five agents on simulated plants, a model
-##       v2 rollout in waves, then a too-slow v3 that halts at its canary and rolls back (~90 s)
+##       v2 rollout in waves, then a too-slow v3 that halts at its canary and rolls back (~2 min)
 demo: venv
 	$(BIN)/python scripts/demo_fleet.py
 

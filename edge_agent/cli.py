@@ -47,7 +47,7 @@ app = typer.Typer(
 )
 
 app.add_typer(memory_app, name="memory", help="Inspect, snapshot and restore the memory store.")
-app.add_typer(ota_app, name="ota", help="OTA updates: status, install a bundle file, roll back.")
+app.add_typer(ota_app, name="ota")
 app.add_typer(
     tsn_app, name="tsn", help="Render or apply the gate schedule as a taprio qdisc (802.1Qbv)."
 )

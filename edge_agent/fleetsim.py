@@ -83,9 +83,13 @@ class SimAgent(Agent):
         seed: int = 3,
         on_decision: Callable[[Decision], None] | None = None,
     ) -> None:
-        super().__init__(config, on_decision=on_decision)
+        # Before the agent is built: its OTA policy asks windows_per_s().
         self.window_hz = window_hz
         self.seed = seed
+        super().__init__(config, on_decision=on_decision)
+
+    def windows_per_s(self) -> float:
+        return self.window_hz
 
     def rss_bytes(self) -> int | None:
         # Many SimAgents share one process: its memory is nobody's in particular, so the

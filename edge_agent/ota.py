@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Decisions remembered for a probation's P99 (3 s at 100 Hz is 300).
+#: Decisions remembered for a probation's P99 (20 s at 100 windows/s is 2000).
 OBSERVED = 4096
 
 
@@ -91,6 +91,7 @@ class AgentOta:
                 agent_version=__version__,
                 permissions=frozenset(section.permissions),
                 max_bundle_bytes=section.max_bundle_mb * 1024 * 1024,
+                windows_per_s=agent.windows_per_s(),
             ),
             activator=self,
             on_transition=self._on_transition,

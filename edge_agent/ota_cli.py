@@ -1,8 +1,9 @@
 """``edge-agent ota``: what a field engineer needs: status, install a bundle file, roll back.
 
-``install`` and ``rollback`` go through the running agent's API (loopback only): the
-agent verifies, swaps between two windows and runs the probation, and the command waits
-for the outcome. ``status`` asks the agent, or reads the journal when it is not running.
+``install`` and ``rollback`` talk to the running agent through its health API (the
+config's ``[api]`` host and port, loopback only): the agent verifies, swaps between two
+windows and runs the probation, and the command waits for the outcome. ``status`` asks the
+agent, or reads the journal when it is not running. Errors are one line on stderr.
 
 Exit codes: 0 done (committed, rolled back, or status shown); 1 the update failed or was
 refused (the reason is printed); 2 bad usage or config; 3 the agent is not running.
@@ -28,7 +29,9 @@ from ota.updater import describe
 
 ota_app = typer.Typer(
     name="ota",
-    help="OTA updates on this device: status, install a bundle file, roll back.",
+    help="OTA updates: status, install a bundle file, roll back. install and rollback talk "
+    "to the running agent through its health API (\\[api] host and port in the config); "
+    "status reads the journal on disk when the agent is not running.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -39,11 +42,13 @@ ConfigOpt = Annotated[
     Path, typer.Option("--config", "-c", help="Agent config (TOML).", show_default=True)
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")]
-_err = Console(stderr=True)
+# soft_wrap: an error stays one line whatever the terminal's width (scripts grep it).
+_err = Console(stderr=True, soft_wrap=True)
 
 
 def _fail(message: str, code: int) -> NoReturn:
-    _err.print(f"[red]error:[/red] {message}", highlight=False)
+    _err.print("[red]error:[/red] ", end="")
+    _err.print(message, highlight=False, markup=False)
     raise typer.Exit(code)
 
 
@@ -62,6 +67,11 @@ def _api(
     config: AgentConfig, method: str, route: str, body: Any = None, timeout: float = 5.0
 ) -> tuple[int, Any]:
     api = config.api
+    if not api.enabled:
+        raise _AgentDown(
+            f"the agent's API is off ([api] enabled = false in {config.path}); "
+            "edge-agent ota install and rollback talk to the running agent through it"
+        )
     url = f"http://{api.host}:{api.port}{route}"
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method)
@@ -74,13 +84,19 @@ def _api(
         return exc.code, json.loads(exc.read() or b"{}")
     except (urllib.error.URLError, OSError, TimeoutError) as exc:
         reason = getattr(exc, "reason", exc)
-        why = f"the agent is not running (its API at {api.host}:{api.port}: {reason})"
+        why = (
+            f"the agent is not running: nothing answers at {api.host}:{api.port} "
+            f"([api] in {config.path}): {reason}"
+        )
         raise _AgentDown(why) from None
 
 
-@ota_app.command("status")
+@ota_app.command(
+    "status",
+    help="Active versions, the update in flight, the last outcome: from the running agent "
+    "(through its health API), else from the journal on disk.",
+)
 def status(config: ConfigOpt = DEFAULT_CONFIG, as_json: JsonOpt = False) -> None:
-    """Active versions, the update in flight, the last outcome."""
     cfg = _config(config)
     try:
         _, doc = _api(cfg, "GET", "/v1/status", timeout=2.0)
@@ -126,14 +142,19 @@ def _outcome(code: int, doc: dict[str, Any], as_json: bool) -> None:
         raise typer.Exit(1)
 
 
-@ota_app.command("install")
+@ota_app.command(
+    "install",
+    help="Hand BUNDLE to the running agent through its health API (\\[api] in the config): "
+    "it verifies, stages, swaps it in and runs the probation; wait for the outcome. The agent "
+    "must be running (edge-agent run, or systemctl start edge-agent); if it is not, this says "
+    "so on one line and exits 3.",
+)
 def install(
     bundle: Annotated[Path, typer.Argument(help="The .efb bundle file.")],
     config: ConfigOpt = DEFAULT_CONFIG,
     as_json: JsonOpt = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the outcome.")] = 120.0,
 ) -> None:
-    """Verify, stage, swap in and probe BUNDLE in the running agent; wait for the outcome."""
     cfg = _config(config)
     path = bundle.resolve()
     if not path.is_file():
@@ -145,13 +166,17 @@ def install(
     _outcome(code, doc, as_json)
 
 
-@ota_app.command("rollback")
+@ota_app.command(
+    "rollback",
+    help="Ask the running agent through its health API (\\[api] in the config) to abort a "
+    "probation or to bring back the previous committed version of KIND. Exits 3 when the "
+    "agent is not running.",
+)
 def rollback(
     config: ConfigOpt = DEFAULT_CONFIG,
     kind: Annotated[str, typer.Option(help="model, config or agent.")] = "model",
     as_json: JsonOpt = False,
 ) -> None:
-    """Abort a probation, or bring back the previous committed version of KIND."""
     cfg = _config(config)
     try:
         code, doc = _api(cfg, "POST", "/v1/ota/rollback", {"kind": kind}, timeout=30.0)

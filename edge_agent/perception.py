@@ -80,6 +80,12 @@ class PerceptionSpec:
     def period_ns(self) -> int:
         return int(1e9 / self.rate_hz)
 
+    @property
+    def windows_per_s(self) -> float:
+        """Windows this grid closes per second (``rate_hz / hop``): what an OTA probation
+        can count on scoring."""
+        return self.rate_hz / self.hop
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Window:

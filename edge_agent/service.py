@@ -290,6 +290,10 @@ class Agent:
         """The health API's bound port once it runs (useful with ``port = 0``)."""
         return self._api.port if self._api is not None else None
 
+    def windows_per_s(self) -> float:
+        """Windows scored per second: what an OTA bundle's probation may count on."""
+        return self.config.perception.windows_per_s
+
     def rss_bytes(self) -> int | None:
         """This process's resident memory (the OTA probation's memory rule), or None."""
         try:

@@ -21,11 +21,12 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from rich.console import Console
 from rich.table import Table
 
-from fleet import bundles, keys
+from fleet import bundles, keys, target
 from fleet.cli_common import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, fail
 from fleet.errors import BundleError, FleetError, FleetKeyError
 from ota import trust as ota_trust
 from ota.errors import TrustError
+from ota.manifest import DEFAULT_PROBATION_S
 
 bundle_app = typer.Typer(
     help="OTA bundles (.efb): build, sign, inspect.",
@@ -138,8 +139,32 @@ def build_cmd(  # noqa: PLR0917 - typer passes options as parameters
         str, typer.Option("--agent-range", help="PEP 440 agent versions (>=0.1,<1).")
     ] = "",
     expires_days: Annotated[int, typer.Option("--expires-days", min=1)] = 30,
-    probation_seconds: Annotated[int | None, typer.Option("--probation-seconds", min=0)] = None,
+    probation_seconds: Annotated[
+        int | None,
+        typer.Option(
+            "--probation-seconds",
+            min=0,
+            help=f"How long devices watch the new version [default: {DEFAULT_PROBATION_S}].",
+        ),
+    ] = None,
     probation_p99_us: Annotated[int | None, typer.Option("--probation-p99-us", min=0)] = None,
+    target_config: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--target-config",
+            dir_okay=False,
+            help="A target device's agent.toml: refuse a probation too short for its window "
+            "rate ([perception] rate_hz / hop). Repeatable.",
+        ),
+    ] = None,
+    window_rate: Annotated[
+        list[float] | None,
+        typer.Option(
+            "--window-rate",
+            help="Windows per second a target device scores, checked like --target-config. "
+            "Repeatable.",
+        ),
+    ] = None,
     delta_from: Annotated[
         Path | None,
         typer.Option("--delta-from", dir_okay=False, help="Old bundle: payloads as patches."),
@@ -154,7 +179,12 @@ def build_cmd(  # noqa: PLR0917 - typer passes options as parameters
     ] = None,
     passphrase_file: PassFileOpt = None,
 ) -> None:
-    """Build a bundle from a model folder, a config file or an agent wheel."""
+    """Build a bundle from a model folder, a config file or an agent wheel.
+
+    Its probation must be able to score its minimum of windows (10) on the devices it is
+    for: with --target-config or --window-rate (and always for a config bundle, from the
+    config it carries) a shorter one is refused here, as devices refuse it before staging.
+    """
     sources = {"model": model_dir, "config": config, "agent": wheel}
     flags = {"model": "--model-dir", "config": "--config", "agent": "--wheel"}
     source = sources[kind.value]
@@ -163,6 +193,11 @@ def build_cmd(  # noqa: PLR0917 - typer passes options as parameters
     others = [flags[k] for k, v in sources.items() if v is not None and k != kind.value]
     if others:
         _fail(f"--kind {kind.value} takes {flags[kind.value]}, not {others[0]}", EXIT_USAGE)
+    try:
+        targets = [target.from_config_file(p) for p in target_config or []]
+        targets += [target.from_rate(r) for r in window_rate or []]
+    except BundleError as exc:
+        _fail_err(exc)
     now = _now()
     signers, root = _signers(sign_with or [], _passphrase(passphrase_file), now)
     spec = bundles.BuildSpec(
@@ -176,6 +211,7 @@ def build_cmd(  # noqa: PLR0917 - typer passes options as parameters
         probation_p99_us=probation_p99_us,
         bundle_id=bundle_id,
         description=description,
+        targets=tuple(targets),
     )
     try:
         payloads = bundles.source_payloads(kind.value, source)
@@ -187,6 +223,10 @@ def build_cmd(  # noqa: PLR0917 - typer passes options as parameters
         typer.echo(f"payload {name}: {entry['length']} bytes ({how})")
     state = f"signed by {len(signers)} key(s)" if signers else "unsigned (fleet bundle sign)"
     typer.echo(f"wrote {out} ({built.signed['bundle_id']} {version}, {state})")
+    if built.probation_checked:
+        typer.echo(built.probation_note)
+    else:
+        typer.echo(f"note: {built.probation_note}", err=True)
     if root is not None:
         _threshold_note(len(signers), root.roles["bundles"].threshold)
 

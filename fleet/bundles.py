@@ -29,15 +29,17 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric import ec
 
 import edge_agent
+from fleet import target as _target
 from fleet.errors import BundleError
 from ota import build as ota_build
 from ota import keys as ota_keys
 from ota import trust as ota_trust
 from ota.canonical import canonical, loads_strict
-from ota.efb import BundleReader, write_bundle
+from ota.efb import NOT_A_BUNDLE, BundleReader, write_bundle
 from ota.errors import MalformedBundle, OtaError
 from ota.fsutil import fsync_dir
-from ota.manifest import KINDS, Signed, parse_signed
+from ota.manifest import DEFAULT_PROBATION_S, KINDS, Signed, parse_signed
+from ota.probation import unreachable
 from ota.store import ContentStore
 from ota.verify import MAX_BUNDLE_BYTES, MAX_MANIFEST_BYTES, Policy, verify_bundle
 
@@ -152,8 +154,12 @@ def read_bundle(path: Path) -> BundleFile:
         try:
             first = reader.next_member()
             if first is None or first.name != "manifest.json":
-                got = "no members" if first is None else repr(first.name)
-                raise BundleError(f"{path}: the first member must be manifest.json; got {got}")
+                why = (
+                    "an empty tar (no member)"
+                    if first is None
+                    else f"a tar whose first member is {first.name!r}, not manifest.json"
+                )
+                raise BundleError(f"{path}: {NOT_A_BUNDLE}: {why}")
             if first.size > MAX_MANIFEST_BYTES:
                 raise BundleError(
                     f"{path}: manifest.json is {first.size} bytes; at most {MAX_MANIFEST_BYTES}"
@@ -260,6 +266,8 @@ class BuildSpec:
     probation_p99_us: int | None = None
     bundle_id: str | None = None
     description: str = ""
+    #: Window rates of the devices it is for: its probation must be reachable on each.
+    targets: tuple[_target.Target, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -268,6 +276,9 @@ class Built:
     members: list[tuple[str, bytes]]
     #: Payload names carried as bsdiff4 patches.
     deltas: list[str]
+    #: What the probation was checked against, or why it was not (``probation_checked``).
+    probation_note: str = ""
+    probation_checked: bool = False
 
 
 def plan_bundle(
@@ -302,7 +313,7 @@ def plan_bundle(
     if spec.probation_p99_us is not None:
         probation["p99_us"] = spec.probation_p99_us
     if probation and "seconds" not in probation:
-        probation["seconds"] = 3  # ota.build's default, kept when only a limit is given
+        probation["seconds"] = DEFAULT_PROBATION_S  # as when no limit is given
     signed = ota_build.bundle_signed(
         bundle_id=spec.bundle_id or f"{spec.kind}-{spec.version}",
         kind=spec.kind,
@@ -317,10 +328,46 @@ def plan_bundle(
         description=spec.description,
     )
     try:
-        parse_signed(signed)
+        m = parse_signed(signed)
     except MalformedBundle as exc:
         raise BundleError(f"devices would refuse this bundle: {exc}") from None
-    return Built(signed, members, deltas)
+    targets = list(spec.targets)
+    if spec.kind == "config":
+        # A config bundle may not change [perception]: its own rate is the device's.
+        text = dict(payloads)[CONFIG_PAYLOAD].decode("utf-8", "replace")
+        targets.append(_target.from_config_text(text, f"its {CONFIG_PAYLOAD}"))
+    note, checked = _check_probation(m, targets)
+    return Built(signed, members, deltas, note, checked)
+
+
+def _check_probation(m: Signed, targets: Sequence[_target.Target]) -> tuple[str, bool]:
+    """Refuse a probation a target cannot pass (DESIGN.md section 5); else say what was
+    checked, or, with no target, what rate the probation needs."""
+    p = m.probation
+    for t in targets:
+        why = unreachable(
+            p, t.windows_per_s, where=f" ({t.source})", raise_what="--probation-seconds"
+        )
+        if why:
+            raise BundleError(f"devices would refuse this bundle: {why}")
+    if p.seconds == 0:
+        raise BundleError(
+            f"devices would refuse this bundle: probation 0 s scores no window; at least "
+            f"{p.min_windows} needed: set --probation-seconds"
+        )
+    if not targets:
+        need = p.min_windows / p.seconds
+        return (
+            f"probation {p.seconds} s needs devices that score >= {need:.3g} windows/s "
+            f"({p.min_windows} windows); not checked: give --target-config or --window-rate",
+            False,
+        )
+    shown = "; ".join(
+        f"~{p.seconds * t.windows_per_s:.0f} windows at {t.windows_per_s:.3g} windows/s "
+        f"({t.source})"
+        for t in targets
+    )
+    return f"probation {p.seconds} s: {shown}; {p.min_windows} needed", True
 
 
 def build_bundle(

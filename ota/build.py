@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from ota import keys as _keys
 from ota.canonical import canonical
 from ota.efb import write_bundle
-from ota.manifest import KIND_PERMISSION
+from ota.manifest import DEFAULT_PROBATION_S, KIND_PERMISSION
 from ota.timefmt import format_utc
 
 
@@ -110,7 +110,7 @@ def bundle_signed(
         "compat": {"device_types": list(device_types), "agent": agent},
         "required_permissions": list(required_permissions),
         "payloads": [dict(p) for p in payloads],
-        "probation": dict(probation or {"seconds": 3}),
+        "probation": dict(probation or {"seconds": DEFAULT_PROBATION_S}),
     }
     if description:
         signed["description"] = description

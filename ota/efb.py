@@ -10,8 +10,10 @@ Accepted: regular files (``0`` / NUL) in ustar, GNU (``ustar  ``) or pax layout,
 plus ``path`` in an ``x`` header. Anything that other tar readers would name differently
 (a ``path`` in a global header, a GNU header with a name prefix) is refused too.
 Refused with the member's index and name: links, devices, FIFOs, directories, GNU long
-names, sparse files, base-256 sizes, names with a ``/``, and any byte other than zero after
-the end-of-archive block (what appending to a bundle produces).
+names, sparse files, base-256 sizes, names that are paths (said in words: absolute, ``..``,
+a folder), and any byte other than zero after the end-of-archive block (what appending to a
+bundle produces). A file whose first block is no tar header at all (random bytes, a
+compressed tar, a wheel) is :data:`NOT_A_BUNDLE`, with why.
 """
 
 from __future__ import annotations
@@ -26,6 +28,16 @@ from typing import BinaryIO
 from ota.errors import MalformedBundle
 
 BLOCK = 512
+#: How a file that is not a bundle at all is reported (then why, in words).
+NOT_A_BUNDLE = "not an EdgeFleet bundle (.efb)"
+_COMPRESSED = (
+    (b"\x1f\x8b", "it is gzip-compressed"),
+    (b"BZh", "it is bzip2-compressed"),
+    (b"\xfd7zXZ\x00", "it is xz-compressed"),
+    (b"\x28\xb5\x2f\xfd", "it is zstd-compressed"),
+    (b"PK\x03\x04", "it is a zip archive"),
+)
+_WHAT_A_BUNDLE_IS = "a bundle is an uncompressed POSIX tar, manifest.json first"
 #: A pax header that sets times needs ~100 bytes; more is not from a tar we expect.
 MAX_PAX_BYTES = 4096
 _PAX_ALLOWED = {"mtime", "atime", "ctime", "uid", "gid", "uname", "gname"}
@@ -72,6 +84,25 @@ def _checksum_ok(block: bytes, *, what: str) -> None:
         raise MalformedBundle(f"{what}: header checksum mismatch (not a tar header)")
 
 
+def _compressed(head: bytes) -> str:
+    return next((what for magic, what in _COMPRESSED if head.startswith(magic)), "")
+
+
+def _not_a_tar(block: bytes) -> str:
+    """Why the file's first block is no tar header at all, or ``""`` (then it is read as
+    one, and any fault after this is reported member by member)."""
+    packed = _compressed(block)
+    if packed:
+        return f"{packed}; {_WHAT_A_BUNDLE_IS}"
+    if block[257:263] not in (b"ustar\x00", b"ustar "):
+        return f"no tar header at its start; {_WHAT_A_BUNDLE_IS}"
+    try:
+        _checksum_ok(block, what="header")
+    except MalformedBundle:
+        return f"its first header's checksum does not match; {_WHAT_A_BUNDLE_IS}"
+    return ""
+
+
 def _decode_name(raw: bytes, index: int) -> str:
     try:
         return raw.decode("utf-8")
@@ -79,14 +110,26 @@ def _decode_name(raw: bytes, index: int) -> str:
         raise MalformedBundle(f"member {index}: name is not UTF-8") from None
 
 
+def name_problem(name: str) -> str:
+    """What is wrong with ``name`` as a file in a bundle, in words, or ``""``.
+
+    A bundle holds plain file names: no folder, no way out of the folder it is unpacked in.
+    """
+    if name.startswith(("/", "\\")) or name[1:3] in (":/", ":\\"):
+        return "is an absolute path; a bundle holds plain file names only"
+    if ".." in name.replace("\\", "/").split("/"):
+        return "leaves the bundle folder ('..'); a bundle holds plain file names only"
+    if "/" in name or "\\" in name:
+        return "is in a folder; a bundle holds plain file names only"
+    if name in ("", ".") or "\0" in name:
+        return "is not a file name"
+    return ""
+
+
 def _check_name(name: str, index: int) -> str:
-    what = f"member {index} {name!r}"
-    if name.startswith("/"):
-        raise MalformedBundle(f"{what}: absolute path")
-    if name == ".." or name.startswith("../") or "/../" in name or name.endswith("/.."):
-        raise MalformedBundle(f"{what}: path traversal ('..')")
-    if "/" in name or "\\" in name or not name or name in (".",) or "\0" in name:
-        raise MalformedBundle(f"{what}: a bundle holds plain file names only")
+    why = name_problem(name)
+    if why:
+        raise MalformedBundle(f"member {index} name {name!r} {why}")
     return name
 
 
@@ -115,12 +158,20 @@ class BundleReader:
         pending_x = False
         while True:
             what = f"member {self._index}"
+            first = self._pos == 0
+            if first and self._size < BLOCK:
+                head = self._f.read(BLOCK)
+                why = _compressed(head) or (f"{self._size} bytes" if head else "an empty file")
+                raise MalformedBundle(f"{NOT_A_BUNDLE}: {why}; {_WHAT_A_BUNDLE_IS}")
             if self._pos >= self._size:
                 raise MalformedBundle(f"{what}: truncated (no end-of-archive block)")
             block = self._read_block(what=what)
             if block == bytes(BLOCK):
                 self._check_trailer()
                 return None
+            why = _not_a_tar(block) if first else ""
+            if why:
+                raise MalformedBundle(f"{NOT_A_BUNDLE}: {why}")
             _checksum_ok(block, what=what)
             magic = block[257:263]
             if magic not in (b"ustar\x00", b"ustar "):

@@ -8,6 +8,8 @@
      │    ├── SignatureInvalid   signatures missing, malformed, unknown keys, threshold unmet
      │    ├── BundleExpired      the manifest's ``expires`` has passed
      │    ├── Incompatible       device type or agent version outside ``compat``
+     │    │    └── ProbationUnreachable  the probation cannot score its minimum number
+     │    │                      of windows at this device's window rate
      │    ├── PermissionDenied   the kind's permission or a ``required_permissions`` entry
      │    │                      is not granted by the device policy
      │    ├── RollbackRejected   ``counter`` below the committed floor of its kind
@@ -65,6 +67,13 @@ class Incompatible(BundleRejected):
     """The bundle is not for this device: device type or agent version outside ``compat``."""
 
     code = "incompatible"
+
+
+class ProbationUnreachable(Incompatible):
+    """The bundle's probation is too short to score ``min_windows`` at this device's window
+    rate: it could only end in "no signal", so it is refused before it is staged."""
+
+    code = "probation_unreachable"
 
 
 class PermissionDenied(BundleRejected):

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
+from ota.efb import name_problem
 from ota.errors import MalformedBundle
 from ota.timefmt import parse_utc
 
@@ -36,6 +37,13 @@ KIND_PERMISSION: dict[str, str] = {
 MAX_PAYLOAD_BYTES = 512 * 1024 * 1024
 MAX_PAYLOADS = 64
 MAX_PROBATION_S = 3600
+#: A probation's length when the bundle does not set one. At the default perception (a
+#: 64-step window every 64 steps at 100 Hz: 1.56 windows/s) it scores ~31 windows: the
+#: :data:`DEFAULT_MIN_WINDOWS` with margin for a loaded gateway, and the 20 the latency
+#: regression rule needs (:data:`ota.probation.REGRESSION_MIN_WINDOWS`).
+DEFAULT_PROBATION_S = 20
+#: Windows the new version must score before a probation can pass, unless the bundle says.
+DEFAULT_MIN_WINDOWS = 10
 
 Sha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")]
@@ -82,7 +90,7 @@ class Compat(msgspec.Struct, frozen=True):
 class Probation(msgspec.Struct, frozen=True):
     """How long the new version is watched, and the limits it must keep meanwhile."""
 
-    seconds: Annotated[int, msgspec.Meta(ge=0, le=MAX_PROBATION_S)] = 3
+    seconds: Annotated[int, msgspec.Meta(ge=0, le=MAX_PROBATION_S)] = DEFAULT_PROBATION_S
     #: Reasoning-stage P99 over the probation, µs (0: only the +regression_pct rule).
     p99_us: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] = 0
     #: Allowed P99 growth against the same device's pre-update baseline, percent.
@@ -90,7 +98,7 @@ class Probation(msgspec.Struct, frozen=True):
     #: Allowed resident-memory growth against the pre-update baseline, percent.
     memory_pct: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 10
     #: Windows the new version must score before a pass is possible (no signal = failure).
-    min_windows: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10
+    min_windows: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = DEFAULT_MIN_WINDOWS
 
 
 class Signed(msgspec.Struct, frozen=True):
@@ -122,8 +130,10 @@ class Signed(msgspec.Struct, frozen=True):
         raise KeyError(name)
 
 
-#: Payloads each kind must carry (names are what the device looks for).
-REQUIRED_PAYLOADS: dict[str, tuple[str, ...]] = {
+#: The payloads of each kind (DESIGN.md section 5; names are what the device looks for):
+#: these and nothing else, so no signed byte is carried that a device would ignore. An
+#: ``agent`` bundle carries exactly one wheel instead (:data:`_WHEEL`).
+KIND_PAYLOADS: dict[str, tuple[str, ...]] = {
     "model": ("model.tflite", "model.json"),
     "config": ("agent.toml",),
     "agent": (),
@@ -131,13 +141,37 @@ REQUIRED_PAYLOADS: dict[str, tuple[str, ...]] = {
 _WHEEL = re.compile(r"^[A-Za-z0-9_.]+-[A-Za-z0-9_.!+]+(-[A-Za-z0-9_.]+){3}\.whl$")
 
 
+_PAYLOAD_NAME_AT = re.compile(r"signed\.payloads\[(\d+)\]\.name")
+_MEMBER_NAME_RULE = (
+    "expected a plain file name (letters, digits, '.', '_', '-'; starting with a letter or "
+    "digit; at most 100 characters)"
+)
+
+
+def _check_payload_names(signed: dict[str, Any]) -> None:
+    """A payload name that is a path is refused in words, before the schema's pattern."""
+    payloads = signed.get("payloads")
+    if not isinstance(payloads, list):
+        return
+    for i, p in enumerate(payloads):
+        name = p.get("name") if isinstance(p, dict) else None
+        why = name_problem(name) if isinstance(name, str) else ""
+        if why:
+            raise MalformedBundle(f"manifest: signed.payloads[{i}].name {name!r} {why}")
+
+
 def parse_signed(signed: dict[str, Any]) -> Signed:
     """Check ``signed`` field by field; :class:`MalformedBundle` names the first fault."""
+    _check_payload_names(signed)
     try:
         m = msgspec.convert(signed, Signed, strict=True)
     except msgspec.ValidationError as exc:
         reason, _, where = str(exc).partition(" - at `")
         path = where.rstrip("`").replace("$", "signed", 1) if where else "signed"
+        at = _PAYLOAD_NAME_AT.fullmatch(path)
+        if at and "regex" in reason:
+            name = signed["payloads"][int(at.group(1))]["name"]
+            reason = f"{name!r}: {_MEMBER_NAME_RULE}"
         raise MalformedBundle(f"manifest: {path}: {reason}") from None
     if parse_utc(m.expires) is None:
         raise MalformedBundle(f"manifest: signed.expires: not a real instant: {m.expires!r}")
@@ -163,11 +197,25 @@ def parse_signed(signed: dict[str, Any]) -> Signed:
         raise MalformedBundle(
             f"manifest: payloads total {total} bytes; at most {MAX_PAYLOAD_BYTES}"
         )
-    missing = [n for n in REQUIRED_PAYLOADS[m.kind] if n not in names]
-    if missing:
-        raise MalformedBundle(f"manifest: a {m.kind} bundle needs payload(s) {missing}")
-    if m.kind == "agent":
-        wheels = [n for n in names if n.endswith(".whl")]
-        if len(wheels) != 1 or not _WHEEL.match(wheels[0]):
-            raise MalformedBundle("manifest: an agent bundle carries exactly one wheel (*.whl)")
+    _check_kind_payloads(m.kind, names)
     return m
+
+
+def _check_kind_payloads(kind: str, names: list[str]) -> None:
+    if kind == "agent":
+        if len(names) != 1 or not _WHEEL.match(names[0]):
+            raise MalformedBundle(
+                f"manifest: an agent bundle carries exactly one wheel (*.whl) and nothing "
+                f"else; it lists {names}"
+            )
+        return
+    wanted = KIND_PAYLOADS[kind]
+    missing = [n for n in wanted if n not in names]
+    if missing:
+        raise MalformedBundle(f"manifest: a {kind} bundle needs payload(s) {missing}")
+    extra = [n for n in names if n not in wanted]
+    if extra:
+        raise MalformedBundle(
+            f"manifest: a {kind} bundle carries {' and '.join(wanted)} only; {extra} "
+            "would be ignored by devices"
+        )

@@ -15,10 +15,16 @@ every update a coin toss. A model that really is slower (the demo's broken v3) m
 median by far more. Below :data:`REGRESSION_MIN_WINDOWS` windows the rule is not judged
 (the pass says so): an agent that makes one window every 0.64 s needs a probation of
 13 s or more for it. The manifest's ``p99_us`` stays a hard limit on the P99.
+
+A probation that cannot score ``min_windows`` at the device's window rate could only end
+in "no signal"; :func:`unreachable` says so up front, so such a bundle is refused before it
+is staged (and at ``fleet bundle build`` when the target's rate is known), never rolled
+back after the fact.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -62,6 +68,37 @@ class Observation:
 
 
 Verdict = Literal["pending", "pass", "fail"]
+
+#: Relative float slack in the window arithmetic: 7 s at 10/7 windows/s is 10 windows.
+_EPS = 1e-9
+
+
+def min_seconds(min_windows: int, windows_per_s: float) -> int:
+    """The shortest whole-second probation that scores ``min_windows`` at this rate.
+
+    Windows close every ``1 / windows_per_s`` seconds, so any span of ``T`` seconds holds
+    at least ``floor(T * windows_per_s)`` of them.
+    """
+    return max(1, math.ceil(min_windows / windows_per_s * (1 - _EPS)))
+
+
+def unreachable(
+    limits: Probation, windows_per_s: float, *, where: str = "", raise_what: str = ""
+) -> str:
+    """Why ``limits`` cannot pass on a device that scores ``windows_per_s``, or ``""``.
+
+    ``where`` follows the rate (" on this device"); ``raise_what`` names the knob in the
+    advice (default ``probation.seconds``; the fleet's CLI says ``--probation-seconds``).
+    """
+    expected = limits.seconds * windows_per_s
+    if expected >= limits.min_windows * (1 - _EPS):
+        return ""
+    need = min_seconds(limits.min_windows, windows_per_s)
+    return (
+        f"probation {limits.seconds} s scores ~{expected:.1f} windows at "
+        f"{windows_per_s:.3g} windows/s{where}; at least {limits.min_windows} needed: raise "
+        f"{raise_what or 'probation.seconds'} to >= {need}"
+    )
 
 
 def judge(

@@ -221,7 +221,7 @@ class Updater:
         if up is not None and up.probation:
             known = {f for f in Probation.__struct_fields__}
             return Probation(**{k: v for k, v in up.probation.items() if k in known})
-        return Probation(seconds=up.probation_s if up is not None else 3)
+        return Probation(seconds=up.probation_s) if up is not None else Probation()
 
     # -- updates ----------------------------------------------------------------------------
 

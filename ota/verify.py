@@ -11,7 +11,8 @@ manifest is. Step by step:
    ``bundles`` keys over its canonical bytes (a key counts once);
 4. ``signed`` is checked field by field; then expiry, compat (device type, agent version),
    permissions (the device grants the kind's own permission and every listed one),
-   anti-rollback (counter above the kind's floor; equal is "already installed");
+   anti-rollback (counter above the kind's floor; equal is "already installed"), and that
+   the probation can score its minimum of windows at the device's window rate;
 5. the members after the manifest are exactly the listed payloads, in the listed order,
    each with its declared length; each payload's sha256 is computed while streaming;
    then only zero padding may follow;
@@ -39,7 +40,7 @@ import bsdiff4
 from packaging.version import InvalidVersion, Version
 
 from ota.canonical import canonical, loads_strict
-from ota.efb import BundleReader
+from ota.efb import NOT_A_BUNDLE, BundleReader
 from ota.errors import (
     AlreadyInstalled,
     BundleExpired,
@@ -47,11 +48,13 @@ from ota.errors import (
     MalformedBundle,
     PayloadMismatch,
     PermissionDenied,
+    ProbationUnreachable,
     RollbackRejected,
     SignatureInvalid,
     TrustError,
 )
 from ota.manifest import KIND_PERMISSION, Payload, Signed, parse_signed
+from ota.probation import unreachable
 from ota.store import ContentStore
 from ota.trust import TrustRoot, explain, signers, split_envelope
 
@@ -72,6 +75,9 @@ class Policy:
     permissions: frozenset[str]
     max_bundle_bytes: int = MAX_BUNDLE_BYTES
     max_manifest_bytes: int = MAX_MANIFEST_BYTES
+    #: Windows the device scores per second (perception rate / hop); None: not checked
+    #: (``fleet bundle inspect`` without a target rate).
+    windows_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,10 @@ def _check_policy(m: Signed, policy: Policy, floors: Mapping[str, int], now: dat
             raise AlreadyInstalled(
                 f"bundle {m.bundle_id} {m.version}: counter {m.counter} is already installed"
             )
+    if policy.windows_per_s is not None:
+        why = unreachable(m.probation, policy.windows_per_s, where=" on this device")
+        if why:
+            raise ProbationUnreachable(f"bundle {m.bundle_id}: {why}")
 
 
 def read_manifest(
@@ -155,9 +165,11 @@ def read_manifest(
     """Steps 2-4 up to the policy: the manifest member, its signatures, its schema."""
     first = reader.next_member()
     if first is None:
-        raise MalformedBundle("empty bundle: no members")
+        raise MalformedBundle(f"{NOT_A_BUNDLE}: an empty tar (no member)")
     if first.name != "manifest.json":
-        raise MalformedBundle(f"member 0 is {first.name!r}; the first member must be manifest.json")
+        raise MalformedBundle(
+            f"{NOT_A_BUNDLE}: a tar whose first member is {first.name!r}, not manifest.json"
+        )
     if first.size > max_bytes:
         raise MalformedBundle(f"manifest.json: {first.size} bytes; the limit is {max_bytes}")
     data = b"".join(bytes(c) for c in reader.read(first))
@@ -211,7 +223,7 @@ def verify_bundle(
                 f"{path.name}: {size} bytes; the limit is {policy.max_bundle_bytes}"
             )
         if size == 0:
-            raise MalformedBundle(f"{path.name}: empty file")
+            raise MalformedBundle(f"{path.name}: {NOT_A_BUNDLE}: an empty file")
         reader = BundleReader(f, size)
         m, manifest_sha = read_manifest(reader, root, now, max_bytes=policy.max_manifest_bytes)
         _check_policy(m, policy, floors, now)

@@ -195,7 +195,6 @@ def agent_config(name: str, i: int, broker: int, api: int, root: Path) -> Path:
         ("port = 8080", f"port = {api}"),
         ("[uplink]\nenabled = false", "[uplink]\nenabled = true"),
         ("port = 1883", f"port = {broker}"),
-        ("# hop = 64 ", "hop = 8 "),
         ("[ota]\nenabled = true\n", f'[ota]\nenabled = true\ntrust_root = "{root}"\n'),
         ('log_level = "info"', 'log_level = "warning"'),
     ]
@@ -270,6 +269,7 @@ def main() -> int:
 
         wait(demo, live, registered, 90, "every gateway online")
         first, last = demo.gateways[0].name, demo.gateways[-1].name
+        first_cfg = VAR / f"{first}.toml"  # every gateway's grid: the probation must fit it
         demo.fleet("devices", "label", first, "--tier", "canary")
         demo.fleet("devices", "label", last, "--tier", "critical")
 
@@ -281,7 +281,7 @@ def main() -> int:
         (v2_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
         demo.fleet("bundle", "build", "--kind", "model", "--model-dir", str(v2_dir),
                    "--version", "2.0.0", "--counter", "2", "--device-type", DEVICE_TYPE,
-                   "--probation-seconds", "4", "--out", str(VAR / "v2.efb"),
+                   "--target-config", str(first_cfg), "--out", str(VAR / "v2.efb"),
                    "--sign-with", str(VAR / "keys"))  # fmt: skip
         out = demo.fleet("rollout", "create", str(VAR / "v2.efb"), "--waves", "20%,60%,100%",
                          "--min-devices", "1", "--max-failure", "0%", "--artifacts",
@@ -293,7 +293,7 @@ def main() -> int:
                 r.id == rid and r.state not in ("running", "paused") for r in demo.rollouts()
             )
 
-        wait(demo, live, lambda: done(v2), 120, "the v2 rollout")
+        wait(demo, live, lambda: done(v2), 180, "the v2 rollout")  # 3 waves of 20 s probations
         r2 = next(r for r in demo.rollouts() if r.id == v2)
         demo.note(f"v2 rollout {r2.state}: {r2.counts().get('committed', 0)}/{len(r2.devices)} "
                   f"gateways on 2.0.0")  # fmt: skip
@@ -302,7 +302,7 @@ def main() -> int:
         demo.phase = "rollout of model v3 (several times slower): the canary's probation decides"
         demo.fleet("bundle", "build", "--kind", "model", "--model-dir", str(SLOW_MODEL),
                    "--version", "3.0.0", "--counter", "3", "--device-type", DEVICE_TYPE,
-                   "--probation-seconds", "4", "--out", str(VAR / "v3.efb"),
+                   "--target-config", str(first_cfg), "--out", str(VAR / "v3.efb"),
                    "--sign-with", str(VAR / "keys"))  # fmt: skip
         out = demo.fleet("rollout", "create", str(VAR / "v3.efb"), "--waves", "20%,60%,100%",
                          "--min-devices", "1", "--max-failure", "0%", "--artifacts",

@@ -159,6 +159,74 @@ def test_build_signs_with_a_keys_folder_and_sets_probation(tmp_path: Path, kdir:
     assert 6 <= (v.signed.expires_at - now()).days <= 7
 
 
+def test_build_refuses_a_probation_its_targets_cannot_pass(tmp_path: Path) -> None:
+    model = sources(tmp_path)["model"]
+    out = tmp_path / "m.efb"
+    r = fleet(
+        *build_args("model", model, out, "--target-config", str(CONFIG), "--probation-seconds", "3")
+    )
+    assert r.exit_code == 3
+    assert r.stderr == (
+        "fleet: devices would refuse this bundle: probation 3 s scores ~4.7 windows at 1.56 "
+        f"windows/s ({CONFIG}: 100 Hz, hop 64); at least 10 needed: raise --probation-seconds "
+        "to >= 7\n"
+    )
+    assert not out.exists()
+    r = fleet(
+        *build_args("model", model, out, "--window-rate", "1.5625", "--probation-seconds", "6")
+    )
+    assert r.exit_code == 3
+    assert "(--window-rate); at least 10 needed: raise --probation-seconds to >= 7" in r.stderr
+    assert not out.exists()
+
+    # The default probation passes on the example config, and the build says what it checked.
+    r = fleet(*build_args("model", model, out, "--target-config", str(CONFIG)))
+    assert r.exit_code == 0, r.output
+    assert f"probation 20 s: ~31 windows at 1.56 windows/s ({CONFIG}: 100 Hz, hop 64)" in r.stdout
+    # Without a target, nothing is checked, and it says so.
+    r = fleet(*build_args("model", model, out, "--probation-seconds", "3"))
+    assert r.exit_code == 0, r.output
+    assert r.stderr == (
+        "note: probation 3 s needs devices that score >= 3.33 windows/s (10 windows); "
+        "not checked: give --target-config or --window-rate\n"
+    )
+    # No device scores a window in 0 s.
+    r = fleet(*build_args("model", model, out, "--probation-seconds", "0"))
+    assert r.exit_code == 3
+    assert "probation 0 s scores no window" in r.stderr
+
+    # A config bundle is checked against the config it carries ([perception] cannot change).
+    r = fleet(*build_args("config", CONFIG, tmp_path / "c.efb", "--probation-seconds", "3"))
+    assert r.exit_code == 3
+    assert "at 1.56 windows/s (its agent.toml: 100 Hz, hop 64)" in r.stderr
+
+
+def test_build_refuses_a_target_it_cannot_read(tmp_path: Path) -> None:
+    model = sources(tmp_path)["model"]
+    out = tmp_path / "m.efb"
+    r = fleet(*build_args("model", model, out, "--target-config", str(tmp_path / "none.toml")))
+    assert r.exit_code == 1
+    assert "none.toml: cannot read" in r.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[perception]\nsignals = ["a"]\nwindow = 8\nhop = 9\n')
+    r = fleet(*build_args("model", model, out, "--target-config", str(bad)))
+    assert r.exit_code == 3
+    assert r.stderr.startswith(f"fleet: {bad}: perception: ")
+    assert "hop <= window" in r.stderr
+    bad.write_text('[perception]\nsignals = ["a"]\nrate_hz = "100"\n')
+    r = fleet(*build_args("model", model, out, "--target-config", str(bad)))
+    assert r.exit_code == 3
+    assert f"fleet: {bad}: perception.rate_hz: " in r.stderr
+    bad.write_text('[agent]\ndevice = "x"\n')
+    r = fleet(*build_args("model", model, out, "--target-config", str(bad)))
+    assert r.exit_code == 3
+    assert "no [perception] table" in r.stderr
+    r = fleet(*build_args("model", model, out, "--window-rate", "0"))
+    assert r.exit_code == 3
+    assert "--window-rate: expected windows per second > 0; got 0.0" in r.stderr
+    assert not out.exists()
+
+
 def test_sign_twice_with_one_key_counts_once_and_a_threshold_needs_more(
     tmp_path: Path,
 ) -> None:

@@ -9,10 +9,12 @@ with the ``openssl`` and ``tar`` command lines, as a fleet admin without our too
 from __future__ import annotations
 
 import base64
+import gzip
 import hashlib
 import io
 import json
 import os
+import random
 import subprocess
 import tarfile
 from collections.abc import Sequence
@@ -518,11 +520,48 @@ def test_a_missing_field_is_named(env: Env) -> None:
     refused(env, env.bundle(signed=signed), MalformedBundle, "missing required field `counter`")
 
 
+@pytest.mark.parametrize(
+    ("kind", "payloads", "why"),
+    [
+        (
+            "model",
+            [*members(), ("notes.txt", b"x")],
+            "a model bundle carries model.tflite and model.json only; ['notes.txt'] would be "
+            "ignored by devices",
+        ),
+        (
+            "config",
+            [("agent.toml", b'[device]\nname = "gw-1"\n'), ("model.tflite", TFLITE)],
+            "a config bundle carries agent.toml only; ['model.tflite'] would be ignored",
+        ),
+    ],
+)
+def test_a_bundle_carries_its_kinds_payloads_and_nothing_else(
+    env: Env, kind: str, payloads: list[tuple[str, bytes]], why: str
+) -> None:
+    perms = build.default_permissions(kind)
+    signed = signed_for(payloads, kind=kind, required_permissions=perms)
+    policy = Policy("motor-drive", "0.1.0", frozenset(perms))
+    path = env.bundle(payloads=payloads, signed=signed)
+    refused(env, path, MalformedBundle, why, policy=policy)
+
+
 def test_payload_name_that_is_a_path(env: Env) -> None:
     payloads = [("model.tflite", TFLITE), ("model.json", MODEL_JSON)]
     signed = signed_for(payloads)
     signed["payloads"][1]["name"] = "../model.json"
-    refused(env, env.bundle(signed=signed), MalformedBundle, "signed.payloads[1].name")
+    err = refused(
+        env,
+        env.bundle(signed=signed),
+        MalformedBundle,
+        "signed.payloads[1].name '../model.json' leaves the bundle folder",
+    )
+    assert "regex" not in str(err)
+    signed["payloads"][1]["name"] = "/etc/model.json"
+    refused(env, env.bundle(signed=signed), MalformedBundle, "is an absolute path")
+    signed["payloads"][1]["name"] = ".model.json"
+    err = refused(env, env.bundle(signed=signed), MalformedBundle, "expected a plain file name")
+    assert "regex" not in str(err)
 
 
 def test_a_config_bundle_verifies(env: Env) -> None:
@@ -535,16 +574,17 @@ def test_a_config_bundle_verifies(env: Env) -> None:
 
 
 @pytest.mark.parametrize(
-    ("wheels", "ok"),
+    ("names", "ok"),
     [
         (["edgefleet-0.2.0-py3-none-any.whl"], True),
         (["edgefleet.whl"], False),
         (["edgefleet-0.2.0-py3-none-any.whl", "other-1.0-py3-none-any.whl"], False),
-        ([], False),
+        (["edgefleet-0.2.0-py3-none-any.whl", "NOTES"], False),
+        (["NOTES"], False),
     ],
 )
-def test_an_agent_bundle_carries_exactly_one_wheel(env: Env, wheels: list[str], ok: bool) -> None:
-    payloads = [(w, b"PK wheel " + w.encode()) for w in wheels] + [("NOTES", b"x")]
+def test_an_agent_bundle_carries_exactly_one_wheel(env: Env, names: list[str], ok: bool) -> None:
+    payloads = [(w, b"PK wheel " + w.encode()) for w in names]
     signed = signed_for(payloads, kind="agent", required_permissions=["agent:replace"])
     policy = Policy("motor-drive", "0.1.0", frozenset({"agent:replace"}))
     path = env.bundle(payloads=payloads, signed=signed)
@@ -764,23 +804,33 @@ def test_manifest_not_the_first_member(env: Env, tmp_path: Path) -> None:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    refused(env, path, MalformedBundle, "member 0 is 'model.tflite'", "first member")
+    refused(
+        env,
+        path,
+        MalformedBundle,
+        "not an EdgeFleet bundle (.efb): a tar whose first member is 'model.tflite', "
+        "not manifest.json",
+    )
 
 
 @pytest.mark.parametrize(
     ("content", "why"),
     [
-        (b"", "empty file"),
-        (bytes(range(256)) * 8, "checksum"),
-        (b"hello", "truncated"),
-        (bytes(10240), "no members"),
-        (b"PK\x03\x04" + bytes(1020), "checksum"),
+        (b"", "an empty file"),
+        (bytes(range(256)) * 8, "no tar header at its start"),
+        (random.Random(7).randbytes(4096), "no tar header at its start"),
+        (b"hello", "5 bytes"),
+        (bytes(10240), "an empty tar (no member)"),
+        (b"PK\x03\x04" + bytes(1020), "it is a zip archive"),
+        (gzip.compress(b"x" * 2048, mtime=0), "it is gzip-compressed"),
     ],
 )
 def test_garbage_and_empty_files(env: Env, content: bytes, why: str) -> None:
     path = env.cs.incoming / "b.efb"
     path.write_bytes(content)
-    refused(env, path, MalformedBundle, why)
+    err = refused(env, path, MalformedBundle, f"not an EdgeFleet bundle (.efb): {why}")
+    assert "octal" not in str(err)
+    assert "checksum" not in str(err)
 
 
 @pytest.mark.timeout(10)
@@ -831,10 +881,11 @@ def _info(name: str, kind: bytes = tarfile.REGTYPE, **attrs: Any) -> tarfile.Tar
 @pytest.mark.parametrize(
     ("info", "why"),
     [
-        (_info("../x"), "member 1 '../x': path traversal"),
-        (_info("../../etc/passwd"), "path traversal"),
-        (_info("/abs"), "member 1 '/abs': absolute path"),
-        (_info("models/model.tflite"), "plain file names only"),
+        (_info("../x"), "member 1 name '../x' leaves the bundle folder"),
+        (_info("../../etc/passwd"), "leaves the bundle folder"),
+        (_info("a/../../x"), "leaves the bundle folder"),
+        (_info("/abs"), "member 1 name '/abs' is an absolute path"),
+        (_info("models/model.tflite"), "'models/model.tflite' is in a folder"),
         (_info("model.tflite", tarfile.SYMTYPE, linkname="/etc/passwd"), "a symbolic link"),
         (_info("model.tflite", tarfile.LNKTYPE, linkname="manifest.json"), "a hard link"),
         (_info("model.tflite", tarfile.CHRTYPE, devmajor=1, devminor=3), "a character device"),
