@@ -21,8 +21,15 @@ import typer
 from drivers.errors import DriverError
 from edge_agent import __version__
 from edge_agent.config import AgentConfig, load_config
-from edge_agent.errors import ConfigError, ModelMismatch, ReasoningError, ServiceError
+from edge_agent.errors import (
+    ConfigError,
+    ModelMismatch,
+    ReasoningError,
+    ServiceError,
+    StatePathError,
+)
 from edge_agent.memory.cli import memory_app
+from edge_agent.memory.errors import MemoryStoreError
 from edge_agent.ota_cli import ota_app
 from edge_agent.tsn import tsn_app
 from edge_agent.uplink.errors import UplinkError
@@ -90,9 +97,11 @@ def check_config(
 ) -> None:
     """Validate FILE: exit 0, or print every error (key path, bad value, expected) and exit 2."""
     from drivers.source import open_source  # noqa: PLC0415 - loads DBCs; only when asked
+    from edge_agent.statepaths import path_problems, state_paths  # noqa: PLC0415
 
     cfg = _load_or_exit(file)
-    errors: list[str] = []
+    # Where the agent will write: checked without creating anything.
+    errors: list[str] = path_problems(state_paths(cfg))
     for spec in cfg.sources:
         # Building a source parses its DBC / register map without touching the network.
         try:
@@ -179,7 +188,10 @@ def run(
         # A model that does not fit the config is a config problem; one that does not load
         # (corrupt, missing runtime) is a runtime failure.
         raise typer.Exit(2 if isinstance(exc, ModelMismatch) else 1) from None
-    except (DriverError, ServiceError, UplinkError) as exc:
+    except StatePathError as exc:
+        typer.echo(f"{config}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except (DriverError, ServiceError, UplinkError, MemoryStoreError) as exc:
         typer.echo(f"edge-agent: {exc}", err=True)
         raise typer.Exit(1) from None
     if status_json:

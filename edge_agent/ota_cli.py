@@ -22,7 +22,7 @@ from rich.table import Table
 
 from edge_agent.config import AgentConfig, load_config
 from edge_agent.errors import ConfigError
-from edge_agent.ota import ota_dir
+from edge_agent.ota_config import ota_dir
 from ota.journal import load as load_journal
 from ota.updater import describe
 

@@ -69,6 +69,7 @@ from edge_agent.reasoning import (
 )
 from edge_agent.rules import Decision
 from edge_agent.sdnotify import Notifier, watchdog_interval_s, watchdog_loop
+from edge_agent.statepaths import prepare_state_paths
 from edge_agent.uplink.publisher import Uplink
 from edge_agent.uplink.telemetry import (
     Aggregate,
@@ -146,7 +147,8 @@ class Agent:
 
     With ``[reasoning] enabled`` (the default) the model is loaded here, before anything
     runs: a model that cannot be loaded or does not fit the config raises
-    :class:`ReasoningError`, which is fatal at start (the CLI prints it and exits).
+    :class:`ReasoningError`, which is fatal at start (the CLI prints it and exits). So is
+    :class:`StatePathError`: the state folders are checked and created first.
     ``notifier`` is systemd's (default: from ``NOTIFY_SOCKET``, a no-op without it).
     """
 
@@ -159,6 +161,7 @@ class Agent:
         on_decision: Callable[[Decision], None] | None = None,
         notifier: Notifier | None = None,
     ) -> None:
+        prepare_state_paths(config)
         self.config = config
         self.clock_ns = clock_ns
         self.started_mono = time.monotonic()
