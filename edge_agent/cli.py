@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from drivers.errors import DriverError
+from drivers.errors import DriverError, PortInUse
 from edge_agent import __version__
 from edge_agent.config import AgentConfig, load_config
 from edge_agent.errors import (
@@ -225,21 +225,27 @@ async def _run(
             from drivers.specs import CanSpec, ModbusSpec  # noqa: PLC0415
 
             # Serve what the config reads: its first Modbus TCP port and its first CAN channel.
-            modbus = next(
-                (s for s in cfg.sources if isinstance(s, ModbusSpec) and s.transport == "tcp"),
-                None,
+            modbus_specs = [s for s in cfg.sources if isinstance(s, ModbusSpec)]
+            k, modbus = next(
+                ((k, s) for k, s in enumerate(modbus_specs) if s.transport == "tcp"), (0, None)
             )
             can_spec = next((s for s in cfg.sources if isinstance(s, CanSpec)), None)
-            await stack.enter_async_context(
-                PlantSimulator(
-                    seed=1,
-                    anomalies=anomalies,
-                    modbus_host=modbus.host if modbus else "127.0.0.1",
-                    modbus_port=modbus.port if modbus else None,
-                    can_interface=can_spec.interface if can_spec else None,
-                    can_channel=can_spec.channel if can_spec else "edgefleet-sim",
+            try:
+                await stack.enter_async_context(
+                    PlantSimulator(
+                        seed=1,
+                        anomalies=anomalies,
+                        modbus_host=modbus.host if modbus else "127.0.0.1",
+                        modbus_port=modbus.port if modbus else None,
+                        can_interface=can_spec.interface if can_spec else None,
+                        can_channel=can_spec.channel if can_spec else "edgefleet-sim",
+                    )
                 )
-            )
+            except PortInUse as exc:
+                raise ServiceError(
+                    f"sources.modbus[{k}].port: {exc} (another edge-agent --simulate?); the "
+                    "simulator serves the port the config reads"
+                ) from None
         if not dashboard:
             await run_until_signalled(agent, duration)
             return agent.status()
@@ -315,6 +321,9 @@ def simulate(
         pass
     except KeyboardInterrupt:
         pass
+    except PortInUse as exc:
+        typer.echo(f"edge-agent simulate: --modbus-port: {exc} (another simulator?)", err=True)
+        raise typer.Exit(1) from None
     except DriverError as exc:
         typer.echo(f"edge-agent simulate: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -327,9 +328,14 @@ class Agent:
                 try:
                     await stack.enter_async_context(self._api)
                 except OSError as exc:
+                    if exc.errno == errno.EADDRINUSE:
+                        raise ServiceError(
+                            f"api.port: {api.host}:{api.port} is already in use (another "
+                            "edge-agent?); set another [api] port, or [api] enabled = false"
+                        ) from None
                     raise ServiceError(
-                        f"health API cannot listen on {api.host}:{api.port}: "
-                        f"{exc.strerror or exc}; change [api] port (or set enabled = false)"
+                        f"api.host: the health API cannot listen on {api.host}:{api.port}: "
+                        f"{exc.strerror or exc}"
                     ) from None
             if self.ota is not None:
                 # Before any window is scored: finish or undo what a crash interrupted.

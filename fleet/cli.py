@@ -41,7 +41,7 @@ from fleet.cli_common import (
     out,
     store_url,
 )
-from fleet.errors import FleetError, IngestError
+from fleet.errors import ArtifactPortInUse, FleetError, IngestError
 from fleet.keys_cli import keys_app
 from fleet.pki_cli import broker_config_cmd, pki_app
 from fleet.rollout_cli import label as rollout_label
@@ -244,11 +244,9 @@ def serve(
             # looks healthy while every rollout silently stands still.
             try:
                 serve_rollouts(rcfg, stop)
-            except BaseException as exc:  # reported by serve, below
+            except BaseException as exc:  # its one line is printed by serve, below
                 service_error.append(exc)
-                if isinstance(exc, FleetError):  # ours: the message says it all
-                    log.error("rollout service failed: %s; stopping fleet serve", exc)
-                else:
+                if not isinstance(exc, FleetError):  # a bug: the trace is worth having
                     log.exception("rollout service failed; stopping fleet serve")
                 stop.set()
 
@@ -263,7 +261,15 @@ def serve(
         if service is not None:
             service.join(timeout=5)
     if service_error:
-        _fail(f"rollout service failed: {service_error[0]}", EXIT_FAILURE)
+        failure = service_error[0]
+        if isinstance(failure, ArtifactPortInUse):
+            option = "--artifact-port" if failure.transport == "HTTP" else "--coap-port"
+            _fail(
+                f"{option}: {failure.host}:{failure.port} is already in use (another fleet "
+                "serve?); choose another port",
+                EXIT_FAILURE,
+            )
+        _fail(f"rollout service failed: {failure}", EXIT_FAILURE)
     per_worker = [s.as_dict() for s in stats]
     if as_json:
         _print_json({"workers": per_worker})
