@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from edge_agent.config import AgentConfig, load_config
+from edge_agent.console import make_console
 from edge_agent.errors import ConfigError
 from edge_agent.ota_config import ota_dir
 from ota.journal import load as load_journal
@@ -39,7 +39,7 @@ ConfigOpt = Annotated[
     Path, typer.Option("--config", "-c", help="Agent config (TOML).", show_default=True)
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")]
-_err = Console(stderr=True)
+_err = make_console(stderr=True)
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -93,7 +93,7 @@ def status(config: ConfigOpt = DEFAULT_CONFIG, as_json: JsonOpt = False) -> None
     if as_json:
         typer.echo(json.dumps(st, indent=1, sort_keys=True))
         return
-    out = Console()
+    out = make_console()
     out.print(f"OTA state: [bold]{st.get('state', '?')}[/bold]  ({source})", highlight=False)
     table = Table("kind", "version", "counter", "bundle", "floor", "kept for rollback")
     kinds = sorted(set(st.get("active", {})) | set(st.get("floors", {})) | {"model"})

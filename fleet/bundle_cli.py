@@ -18,9 +18,9 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from cryptography.hazmat.primitives.asymmetric import ec
-from rich.console import Console
 from rich.table import Table
 
+from edge_agent.console import make_console
 from fleet import bundles, keys
 from fleet.cli_common import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, fail
 from fleet.errors import BundleError, FleetError, FleetKeyError
@@ -245,7 +245,7 @@ def _print_report(r: dict[str, Any]) -> None:
             else "whole"
         )
         table.add_row(str(p.get("name")), str(p.get("length")), str(p.get("sha256"))[:16], how)
-    Console(highlight=False, soft_wrap=True).print(table)
+    make_console(highlight=False, soft_wrap=True).print(table)
     if not r["signatures"]:
         typer.echo("signatures: none (unsigned)")
     for sig in r["signatures"]:

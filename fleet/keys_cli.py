@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from edge_agent.console import make_console
 from fleet import keys
 from fleet.cli_common import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, JsonOpt, fail
 from fleet.errors import FleetKeyError
@@ -225,6 +225,6 @@ def list_cmd(keys_dir: DirOpt = Path("keys"), as_json: JsonOpt = False) -> None:
             where += " (encrypted)"
         expires = f"{k.expires:%Y-%m-%d %H:%M}" if k.expires else "-"
         table.add_row(k.keyid[:16], ", ".join(k.roles), expires, where)
-    Console(highlight=False, soft_wrap=True).print(table)
+    make_console(highlight=False, soft_wrap=True).print(table)
     for path in listing.stray:
         typer.echo(f"note: {path.name} is not a key of the current root.json", err=True)

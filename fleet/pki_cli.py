@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from edge_agent.console import make_console
 from fleet import pki
 from fleet.broker_config import DEFAULT_SERVER_NAME, write_broker_config
 from fleet.errors import PkiError
@@ -158,7 +158,7 @@ def list_cmd(
     for c in issued:
         status = "[red]revoked[/red]" if c.revoked else "valid"
         table.add_row(c.name, c.kind, f"{c.not_after:%Y-%m-%d %H:%M}", status, c.fingerprint)
-    Console().print(table)
+    make_console().print(table)
 
 
 @pki_app.command("revoke")

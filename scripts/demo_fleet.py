@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.hot_swap import copy_with_new_sha  # noqa: E402 - after the path set-up
+from edge_agent.console import make_console  # noqa: E402
 from fleet.rollout.orchestrator import load  # noqa: E402
 from fleet.store import open_store  # noqa: E402
 
@@ -221,7 +222,7 @@ def main() -> int:
         raise SystemExit("demo: mosquitto not found (apt-get install mosquitto)")
     shutil.rmtree(VAR, ignore_errors=True)
     (VAR / "logs").mkdir(parents=True)
-    console = Console()
+    console = make_console()  # a pipe or a log file: lines are never wrapped
     demo = Demo(console, live=console.is_terminal)
     started = time.monotonic()
     live: Live | None = None
@@ -332,7 +333,10 @@ def main() -> int:
 
 def summary(demo: Demo, seconds: float) -> None:
     c = demo.console
-    c.rule("summary")
+    if c.is_terminal:
+        c.rule("summary")
+    else:
+        c.print("--- summary ---")
     versions = {}
     for g in demo.gateways:
         model = g.status.get("reasoning", {}).get("model", {}) if g.status else {}
