@@ -46,7 +46,8 @@ EXIT_RESTART = 3
 
 app = typer.Typer(
     name="edge-agent",
-    help="EdgeFleet edge agent: field-bus drivers, perception and (later) reasoning on a gateway.",
+    help="EdgeFleet edge agent on a gateway: CAN and Modbus sources, perception, memory, the INT8 "
+    "model with rules, a health API, the MQTT uplink and signed OTA updates.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -159,15 +160,17 @@ def run(
         list[str] | None,
         typer.Option(
             help="With --simulate: inject an anomaly into the simulated plant, "
-            "KIND:SIGNAL@START+DURATION[xMAGNITUDE], e.g. spike:current@3+10x8 "
+            "KIND:SIGNAL@START+DURATION\\[xMAGNITUDE], e.g. spike:current@3+10x8 "
             "(plant seconds from the start). Repeatable.",
         ),
     ] = None,
 ) -> None:
-    """Run the agent: sources -> perception -> reasoning, logging rates, drops and alarms.
+    """Run the agent: sources -> perception -> memory -> reasoning, logging rates, drops and
+    alarms.
 
-    Exit codes: 2 for a bad config or a model that does not fit it, 1 for a model that
-    cannot be loaded or a runtime failure.
+    Exit codes: 2 for a bad config (a state folder it cannot make or write included) or a
+    model that does not fit it, 1 for a model that cannot be loaded or a runtime failure
+    (a port in use, the memory store held by another agent).
     """
     from drivers.sim.plant import parse_anomaly  # noqa: PLC0415
 
@@ -282,7 +285,7 @@ def simulate(
     anomaly: Annotated[
         list[str] | None,
         typer.Option(
-            help="Inject an anomaly, KIND:SIGNAL@START+DURATION[xMAGNITUDE], e.g. "
+            help="Inject an anomaly, KIND:SIGNAL@START+DURATION\\[xMAGNITUDE], e.g. "
             "drift:temperature@30+60x15 (kinds: drift spike stuck dropout noise). Repeatable.",
         ),
     ] = None,

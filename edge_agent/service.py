@@ -15,8 +15,8 @@ taking new work when the gate closes:
 * memory stores each window and passes it on to the reasoning queue (depth 2, drop
   oldest, counted); it stops while that queue is full, so a window waits in one bounded
   place, never in an unbounded one;
-* reasoning decides about each window; the Decision goes to the log (the MQTT outbox of
-  a later issue takes it from :meth:`Agent._decide`) and to memory.
+* reasoning decides about each window; the Decision goes to the log, to memory and (with
+  ``[uplink]``) to the MQTT outbox, all from :meth:`Agent._decide`.
 
 When the pipeline falls behind, the skip policy is the queues': the oldest window goes,
 and ``drops`` says how many. By default one gate entry opens all three stages, starting
@@ -719,7 +719,7 @@ class Agent:
         w = self.report.last_window
         log.info(
             "%swindows=%d (%.2f/s) completeness=%.3f jitter_ms=%.2f samples=%d "
-            "drops: buffer=%d late=%d not_in_window=%d skipped_windows=%d | %s",
+            "drops: buffer=%d late=%d unknown_signal=%d skipped_windows=%d | %s",
             "final: " if final else "",
             self.report.windows,
             rate,

@@ -46,7 +46,7 @@ PassFileOpt = Annotated[
     typer.Option(
         "--passphrase-file",
         dir_okay=False,
-        help=f"File holding the keys' passphrase (one line) [default: ${keys.ENV_PASSPHRASE}].",
+        help=f"File holding the keys' passphrase (one line) \\[default: ${keys.ENV_PASSPHRASE}].",
     ),
 ]
 RootOpt = Annotated[
@@ -145,7 +145,7 @@ def build_cmd(  # noqa: PLR0917 - typer passes options as parameters
         typer.Option("--delta-from", dir_okay=False, help="Old bundle: payloads as patches."),
     ] = None,
     bundle_id: Annotated[
-        str | None, typer.Option("--bundle-id", help="[default: KIND-VERSION]")
+        str | None, typer.Option("--bundle-id", help="\\[default: KIND-VERSION]")
     ] = None,
     description: Annotated[str, typer.Option("--description")] = "",
     sign_with: Annotated[
@@ -277,11 +277,11 @@ def inspect_cmd(  # noqa: PLR0917 - typer passes options as parameters
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
     device_type: Annotated[
         str | None,
-        typer.Option("--device-type", help="Check as this device type [default: its first]."),
+        typer.Option("--device-type", help="Check as this device type \\[default: its first]."),
     ] = None,
     agent_version: Annotated[
         str | None,
-        typer.Option("--agent-version", help="Check as this agent [default: this release]."),
+        typer.Option("--agent-version", help="Check as this agent \\[default: this release]."),
     ] = None,
     base: Annotated[
         list[Path] | None,

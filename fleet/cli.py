@@ -158,7 +158,7 @@ def serve(
     group: Annotated[str, typer.Option(help="Shared-subscription group.")] = "ingest",
     client_id: Annotated[
         str,
-        typer.Option(help="Stable MQTT client id (persistent session) [default: host-based]."),
+        typer.Option(help="Stable MQTT client id (persistent session; default: host-based)."),
     ] = "",
     batch_max: Annotated[int, typer.Option(help="Messages per store transaction.")] = 500,
     batch_ms: Annotated[int, typer.Option(help="Longest wait to fill a batch (ms).")] = 50,
@@ -184,12 +184,15 @@ def serve(
     artifact_port: Annotated[int, typer.Option(help="Artifact HTTP port (0: any).")] = 8700,
     coap_port: Annotated[int, typer.Option(help="Artifact CoAP port (0: any).")] = 5683,
     advertise: Annotated[
-        str, typer.Option(help="Host name devices use for the artifact server [bind address].")
+        str,
+        typer.Option(
+            help="Host name devices use for the artifact server (default: the bind address)."
+        ),
     ] = "",
     as_json: JsonOpt = False,
 ) -> None:
     """Ingest devices' MQTT uplink into the store until stopped (SIGTERM / Ctrl-C); with
-    ``--rollouts`` (the default) also serve bundles and run the rollouts."""
+    --rollouts (the default) also serve bundles and run the rollouts."""
     # Imported on use: the read-only commands never load paho.
     from fleet.ingest import IngestConfig, parse_broker  # noqa: PLC0415
     from fleet.ingest import serve as run  # noqa: PLC0415

@@ -29,7 +29,7 @@ StoreOpt = Annotated[
         "--store",
         envvar=ENV_STORE,
         help="Store URL (sqlite:///abs/path.db, postgresql://...) or a SQLite file path "
-        "[default: ./fleet.db]",
+        "\\[default: ./fleet.db]",
         show_default=False,
     ),
 ]

@@ -39,7 +39,7 @@ PassFileOpt = Annotated[
     typer.Option(
         "--passphrase-file",
         dir_okay=False,
-        help=f"File holding the keys' passphrase (one line) [default: ${keys.ENV_PASSPHRASE}].",
+        help=f"File holding the keys' passphrase (one line) \\[default: ${keys.ENV_PASSPHRASE}].",
     ),
 ]
 ExpiresOpt = Annotated[
@@ -142,10 +142,10 @@ def rotate_cmd(  # noqa: PLR0917 - typer passes options as parameters
         bool, typer.Option("--new-root-key", help="Make a new root key (add it to the role).")
     ] = False,
     root_threshold: Annotated[
-        int | None, typer.Option("--root-threshold", min=1, help="[default: unchanged]")
+        int | None, typer.Option("--root-threshold", min=1, help="\\[default: unchanged]")
     ] = None,
     bundle_threshold: Annotated[
-        int | None, typer.Option("--bundle-threshold", min=1, help="[default: unchanged]")
+        int | None, typer.Option("--bundle-threshold", min=1, help="\\[default: unchanged]")
     ] = None,
     expires_days: ExpiresOpt = 365,
     passphrase_file: PassFileOpt = None,
@@ -186,7 +186,7 @@ def rotate_cmd(  # noqa: PLR0917 - typer passes options as parameters
 def export_root_cmd(
     keys_dir: DirOpt = Path("keys"),
     out: Annotated[
-        Path | None, typer.Option("--out", dir_okay=False, help="Write here [default: stdout].")
+        Path | None, typer.Option("--out", dir_okay=False, help="Write here \\[default: stdout].")
     ] = None,
 ) -> None:
     """Print (or write) the current root.json: the file devices trust."""
