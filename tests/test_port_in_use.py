@@ -89,6 +89,20 @@ def test_the_health_api_port_in_use_names_api_port(tmp_path: Path) -> None:
     assert "Traceback" not in res.stderr
 
 
+def test_a_health_api_host_it_cannot_bind_names_api_host(tmp_path: Path) -> None:
+    cfg = agent_config(tmp_path, modbus=free_port(), api=0)
+    cfg.write_text(
+        cfg.read_text().replace(
+            'host = "127.0.0.1"             # keep', 'host = "192.0.2.1"  # keep', 1
+        )
+    )
+    res = run(BIN / "edge-agent", "run", "-c", cfg, "--duration", "5")
+    assert res.returncode == 1, res.stderr
+    last = last_line(res.stderr)
+    assert last.startswith("edge-agent: api.host: the health API cannot listen on 192.0.2.1:0: ")
+    assert "cannot assign requested address" in last.lower()
+
+
 def test_edge_agent_simulate_names_its_option(tmp_path: Path) -> None:
     with taken() as port:
         res = run(
