@@ -9,6 +9,7 @@
     ├── ModbusError              a Modbus request failed
     │   ├── ModbusTimeout        no reply in time (also a ``TimeoutError``)
     │   ├── ModbusConnectionError  cannot reach the port (also a ``ConnectionError``)
+    │   │   └── PortInUse    the simulator cannot serve: its Modbus TCP port is taken
     │   └── ModbusExceptionResponse  the unit answered with an exception code
     └── ReplayError              a capture file cannot be read
 
@@ -48,6 +49,16 @@ class ModbusTimeout(ModbusError, TimeoutError):
 
 class ModbusConnectionError(ModbusError, ConnectionError):
     """The port (TCP endpoint or serial device) cannot be reached."""
+
+
+class PortInUse(ModbusConnectionError):
+    """The simulator's Modbus TCP port is already bound by another process; the caller
+    knows which option or key set it and says so."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(f"{host}:{port} is already in use")
+        self.host = host
+        self.port = port
 
 
 #: The exception codes of the Modbus application protocol (V1.1b3, section 7).

@@ -18,11 +18,18 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
-from drivers.errors import DriverError
+from drivers.errors import DriverError, PortInUse
 from edge_agent import __version__
 from edge_agent.config import AgentConfig, load_config
-from edge_agent.errors import ConfigError, ModelMismatch, ReasoningError, ServiceError
+from edge_agent.errors import (
+    ConfigError,
+    ModelMismatch,
+    ReasoningError,
+    ServiceError,
+    StatePathError,
+)
 from edge_agent.memory.cli import memory_app
+from edge_agent.memory.errors import MemoryStoreError
 from edge_agent.ota_cli import ota_app
 from edge_agent.read_cli import read
 from edge_agent.tsn import tsn_app
@@ -40,7 +47,8 @@ EXIT_RESTART = 3
 
 app = typer.Typer(
     name="edge-agent",
-    help="EdgeFleet edge agent: field-bus drivers, perception and (later) reasoning on a gateway.",
+    help="EdgeFleet edge agent on a gateway: CAN and Modbus sources, perception, memory, the INT8 "
+    "model with rules, a health API, the MQTT uplink and signed OTA updates.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -92,9 +100,11 @@ def check_config(
 ) -> None:
     """Validate FILE: exit 0, or print every error (key path, bad value, expected) and exit 2."""
     from drivers.source import open_source  # noqa: PLC0415 - loads DBCs; only when asked
+    from edge_agent.statepaths import path_problems, state_paths  # noqa: PLC0415
 
     cfg = _load_or_exit(file)
-    errors: list[str] = []
+    # Where the agent will write: checked without creating anything.
+    errors: list[str] = path_problems(state_paths(cfg))
     for spec in cfg.sources:
         # Building a source parses its DBC / register map without touching the network.
         try:
@@ -152,15 +162,17 @@ def run(
         list[str] | None,
         typer.Option(
             help="With --simulate: inject an anomaly into the simulated plant, "
-            "KIND:SIGNAL@START+DURATION[xMAGNITUDE], e.g. spike:current@3+10x8 "
+            "KIND:SIGNAL@START+DURATION\\[xMAGNITUDE], e.g. spike:current@3+10x8 "
             "(plant seconds from the start). Repeatable.",
         ),
     ] = None,
 ) -> None:
-    """Run the agent: sources -> perception -> reasoning, logging rates, drops and alarms.
+    """Run the agent: sources -> perception -> memory -> reasoning, logging rates, drops and
+    alarms.
 
-    Exit codes: 2 for a bad config or a model that does not fit it, 1 for a model that
-    cannot be loaded or a runtime failure.
+    Exit codes: 2 for a bad config (a state folder it cannot make or write included) or a
+    model that does not fit it, 1 for a model that cannot be loaded or a runtime failure
+    (a port in use, the memory store held by another agent).
     """
     from drivers.sim.plant import parse_anomaly  # noqa: PLC0415
 
@@ -181,7 +193,10 @@ def run(
         # A model that does not fit the config is a config problem; one that does not load
         # (corrupt, missing runtime) is a runtime failure.
         raise typer.Exit(2 if isinstance(exc, ModelMismatch) else 1) from None
-    except (DriverError, ServiceError, UplinkError) as exc:
+    except StatePathError as exc:
+        typer.echo(f"{config}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except (DriverError, ServiceError, UplinkError, MemoryStoreError) as exc:
         typer.echo(f"edge-agent: {exc}", err=True)
         raise typer.Exit(1) from None
     if status_json:
@@ -215,21 +230,27 @@ async def _run(
             from drivers.specs import CanSpec, ModbusSpec  # noqa: PLC0415
 
             # Serve what the config reads: its first Modbus TCP port and its first CAN channel.
-            modbus = next(
-                (s for s in cfg.sources if isinstance(s, ModbusSpec) and s.transport == "tcp"),
-                None,
+            modbus_specs = [s for s in cfg.sources if isinstance(s, ModbusSpec)]
+            k, modbus = next(
+                ((k, s) for k, s in enumerate(modbus_specs) if s.transport == "tcp"), (0, None)
             )
             can_spec = next((s for s in cfg.sources if isinstance(s, CanSpec)), None)
-            await stack.enter_async_context(
-                PlantSimulator(
-                    seed=1,
-                    anomalies=anomalies,
-                    modbus_host=modbus.host if modbus else "127.0.0.1",
-                    modbus_port=modbus.port if modbus else None,
-                    can_interface=can_spec.interface if can_spec else None,
-                    can_channel=can_spec.channel if can_spec else "edgefleet-sim",
+            try:
+                await stack.enter_async_context(
+                    PlantSimulator(
+                        seed=1,
+                        anomalies=anomalies,
+                        modbus_host=modbus.host if modbus else "127.0.0.1",
+                        modbus_port=modbus.port if modbus else None,
+                        can_interface=can_spec.interface if can_spec else None,
+                        can_channel=can_spec.channel if can_spec else "edgefleet-sim",
+                    )
                 )
-            )
+            except PortInUse as exc:
+                raise ServiceError(
+                    f"sources.modbus[{k}].port: {exc} (another edge-agent --simulate?); the "
+                    "simulator serves the port the config reads"
+                ) from None
         if not dashboard:
             await run_until_signalled(agent, duration)
             return agent.status()
@@ -266,7 +287,7 @@ def simulate(
     anomaly: Annotated[
         list[str] | None,
         typer.Option(
-            help="Inject an anomaly, KIND:SIGNAL@START+DURATION[xMAGNITUDE], e.g. "
+            help="Inject an anomaly, KIND:SIGNAL@START+DURATION\\[xMAGNITUDE], e.g. "
             "drift:temperature@30+60x15 (kinds: drift spike stuck dropout noise). Repeatable.",
         ),
     ] = None,
@@ -305,6 +326,9 @@ def simulate(
         pass
     except KeyboardInterrupt:
         pass
+    except PortInUse as exc:
+        typer.echo(f"edge-agent simulate: --modbus-port: {exc} (another simulator?)", err=True)
+        raise typer.Exit(1) from None
     except DriverError as exc:
         typer.echo(f"edge-agent simulate: {exc}", err=True)
         raise typer.Exit(1) from None

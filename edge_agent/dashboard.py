@@ -38,6 +38,7 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.text import Text
 
+from edge_agent.console import make_console
 from edge_agent.metrics import status_at
 from edge_agent.rules import NORMAL, Decision
 
@@ -126,7 +127,7 @@ class Dashboard:
         self.model = model
         self.anomalies: tuple[Anomaly, ...] = tuple(anomalies)
         self.duration_s = duration_s
-        self.console = console if console is not None else Console()
+        self.console = console if console is not None else make_console()
         self.clock = clock
         self.t0 = clock()
         #: Set by :meth:`run` when told to stop: the summary's duration.

@@ -11,6 +11,8 @@
     │   └── RulesError     (edge_agent.rules) a rule names a label the model does not have
     ├── ServiceError     a service the agent needs cannot start (the health API's port
     │                    is taken); fatal at start, with this message
+    ├── StatePathError   a folder or file the config makes the agent write cannot be made
+    │                    or written (``agent.state_dir`` under /proc, a file in its place)
     └── ProbeError       (also a ValueError) a health probe sent by a client is malformed;
         │                ``where`` is the JSON path of the fault (``payload.current``)
         └── ProbeTooLarge  its body is over the size cap (HTTP 413 rather than 400)
@@ -40,6 +42,11 @@ class ConfigError(AgentError):
 
 class ServiceError(AgentError):
     """The agent cannot start one of its services (at start: fatal, with this message)."""
+
+
+class StatePathError(AgentError):
+    """A place the agent writes cannot be used; the message is one line, the config key
+    first (``agent.state_dir: cannot create /proc/x: ...``). Fatal at start."""
 
 
 class ReasoningError(AgentError):

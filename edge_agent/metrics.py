@@ -510,14 +510,14 @@ def _families(s: Mapping[str, Any], out: _Out) -> None:
     memory = status_at(s, "memory")
     out.counter(
         "edgefleet_drops_total",
-        "What the agent dropped, by where: samples (buffer, late, not_in_window, "
+        "What the agent dropped, by where: samples (buffer, late, unknown_signal, "
         "non_finite), windows (skipped_windows, memory_queue, reasoning_queue) and windows "
         "not stored (memory).",
         ["where"],
         [
             (("buffer",), status_at(s, "buffer", "dropped")),
             (("late",), status_at(s, "perception", "late_dropped")),
-            (("not_in_window",), status_at(s, "perception", "unknown_signal")),
+            (("unknown_signal",), status_at(s, "perception", "unknown_signal")),
             (("non_finite",), status_at(s, "perception", "non_finite")),
             (("skipped_windows",), status_at(s, "perception", "windows_skipped")),
             (("memory_queue",), status_at(memory_q, "dropped")),

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from edge_agent import __version__
 from edge_agent.config import parse_config
 from edge_agent.errors import AgentError, ConfigError, ReasoningError
-from edge_agent.ota_config import OtaSection
+from edge_agent.ota_config import OtaSection, ota_dir
 from edge_agent.probe import parse_probe
 from firmware.boot import ENV_SLOT, parse_slot_env
 from firmware.errors import RollbackUnavailable
@@ -61,10 +61,6 @@ log = logging.getLogger(__name__)
 
 #: Decisions remembered for a probation's P99 (20 s at 100 windows/s is 2000).
 OBSERVED = 4096
-
-
-def ota_dir(state_dir: Path) -> Path:
-    return state_dir / "ota"
 
 
 #: The key of the model that came with the image in :attr:`AgentOta._retired`.
@@ -222,11 +218,8 @@ class AgentOta:
     # -- agent builds: A/B slots ------------------------------------------------------------
 
     def slots(self) -> Slots:
-        where = self.section.slots_dir
-        root = Path(where) if where else self.agent.config.state_dir / "slots"
-        if not root.is_absolute():
-            root = self.agent.config.path.parent / root
-        return Slots(root)
+        cfg = self.agent.config
+        return Slots(self.section.resolve_slots(cfg.state_dir, cfg.path.parent))
 
     def _install_agent(self, target: Installed, store: ContentStore) -> None:
         wheel = next(n for n in target.payloads if n.endswith(".whl"))

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from edge_agent.config import AgentConfig, load_config
+from edge_agent.console import make_console
 from edge_agent.errors import ConfigError
-from edge_agent.ota import ota_dir
+from edge_agent.ota_config import ota_dir
 from ota.journal import load as load_journal
 from ota.updater import describe
 
@@ -43,7 +43,7 @@ ConfigOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")]
 # soft_wrap: an error stays one line whatever the terminal's width (scripts grep it).
-_err = Console(stderr=True, soft_wrap=True)
+_err = make_console(stderr=True, soft_wrap=True)
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -109,7 +109,7 @@ def status(config: ConfigOpt = DEFAULT_CONFIG, as_json: JsonOpt = False) -> None
     if as_json:
         typer.echo(json.dumps(st, indent=1, sort_keys=True))
         return
-    out = Console()
+    out = make_console()
     out.print(f"OTA state: [bold]{st.get('state', '?')}[/bold]  ({source})", highlight=False)
     table = Table("kind", "version", "counter", "bundle", "floor", "kept for rollback")
     kinds = sorted(set(st.get("active", {})) | set(st.get("floors", {})) | {"model"})

@@ -13,6 +13,11 @@ from edge_agent._schema import Name, StrictModel
 PERMISSIONS = frozenset({"model:swap", "config:write", "agent:replace"})
 
 
+def ota_dir(state_dir: Path) -> Path:
+    """Where OTA keeps its journal, trust root, content store and models."""
+    return state_dir / "ota"
+
+
 class OtaSection(StrictModel):
     """``[ota]``: what this device accepts and from whom."""
 
@@ -28,6 +33,14 @@ class OtaSection(StrictModel):
     stall_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
     #: A/B slots for agent builds (the launcher's --slots); default: state_dir/slots.
     slots_dir: Annotated[str, Field(min_length=1)] | None = None
+
+    def resolve_slots(self, state_dir: Path, config_dir: Path) -> Path:
+        """The A/B slots folder: ``slots_dir`` (relative: to the config's folder, as the
+        launcher's --slots), else ``state_dir/slots``."""
+        if self.slots_dir is None:
+            return state_dir / "slots"
+        root = Path(self.slots_dir)
+        return root if root.is_absolute() else config_dir / root
 
     def check(self, base: Path) -> list[str]:
         """What a typo here would make fail only at the first update."""

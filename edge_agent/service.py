@@ -15,8 +15,8 @@ taking new work when the gate closes:
 * memory stores each window and passes it on to the reasoning queue (depth 2, drop
   oldest, counted); it stops while that queue is full, so a window waits in one bounded
   place, never in an unbounded one;
-* reasoning decides about each window; the Decision goes to the log (the MQTT outbox of
-  a later issue takes it from :meth:`Agent._decide`) and to memory.
+* reasoning decides about each window; the Decision goes to the log, to memory and (with
+  ``[uplink]``) to the MQTT outbox, all from :meth:`Agent._decide`.
 
 When the pipeline falls behind, the skip policy is the queues': the oldest window goes,
 and ``drops`` says how many. By default one gate entry opens all three stages, starting
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -69,6 +70,7 @@ from edge_agent.reasoning import (
 )
 from edge_agent.rules import Decision
 from edge_agent.sdnotify import Notifier, watchdog_interval_s, watchdog_loop
+from edge_agent.statepaths import prepare_state_paths
 from edge_agent.uplink.publisher import Uplink
 from edge_agent.uplink.telemetry import (
     Aggregate,
@@ -146,7 +148,8 @@ class Agent:
 
     With ``[reasoning] enabled`` (the default) the model is loaded here, before anything
     runs: a model that cannot be loaded or does not fit the config raises
-    :class:`ReasoningError`, which is fatal at start (the CLI prints it and exits).
+    :class:`ReasoningError`, which is fatal at start (the CLI prints it and exits). So is
+    :class:`StatePathError`: the state folders are checked and created first.
     ``notifier`` is systemd's (default: from ``NOTIFY_SOCKET``, a no-op without it).
     """
 
@@ -159,6 +162,7 @@ class Agent:
         on_decision: Callable[[Decision], None] | None = None,
         notifier: Notifier | None = None,
     ) -> None:
+        prepare_state_paths(config)
         self.config = config
         self.clock_ns = clock_ns
         self.started_mono = time.monotonic()
@@ -328,9 +332,14 @@ class Agent:
                 try:
                     await stack.enter_async_context(self._api)
                 except OSError as exc:
+                    if exc.errno == errno.EADDRINUSE:
+                        raise ServiceError(
+                            f"api.port: {api.host}:{api.port} is already in use (another "
+                            "edge-agent?); set another [api] port, or [api] enabled = false"
+                        ) from None
                     raise ServiceError(
-                        f"health API cannot listen on {api.host}:{api.port}: "
-                        f"{exc.strerror or exc}; change [api] port (or set enabled = false)"
+                        f"api.host: the health API cannot listen on {api.host}:{api.port}: "
+                        f"{exc.strerror or exc}"
                     ) from None
             if self.ota is not None:
                 # Before any window is scored: finish or undo what a crash interrupted.
@@ -716,7 +725,7 @@ class Agent:
         w = self.report.last_window
         log.info(
             "%swindows=%d (%.2f/s) completeness=%.3f jitter_ms=%.2f samples=%d "
-            "drops: buffer=%d late=%d not_in_window=%d skipped_windows=%d | %s",
+            "drops: buffer=%d late=%d unknown_signal=%d skipped_windows=%d | %s",
             "final: " if final else "",
             self.report.windows,
             rate,

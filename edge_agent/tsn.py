@@ -40,7 +40,7 @@ tsn_app = typer.Typer(
 )
 
 ConfigOpt = Annotated[
-    Path, typer.Option("--config", "-c", help="Agent config (TOML) with a [schedule] section.")
+    Path, typer.Option("--config", "-c", help="Agent config (TOML) with a \\[schedule] section.")
 ]
 InterfaceOpt = Annotated[
     str | None,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -35,7 +36,7 @@ import aiocoap.resource
 from aiocoap.numbers.codes import Code
 from aiohttp import web
 
-from fleet.errors import ArtifactError
+from fleet.errors import ArtifactError, ArtifactPortInUse
 from ota.fsutil import fsync_dir
 
 __all__ = ["BUNDLE_SUFFIX", "ArtifactServer", "ArtifactStats", "bundle_path", "publish"]
@@ -277,6 +278,8 @@ class ArtifactServer:
         try:
             await site.start()
         except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ArtifactPortInUse("HTTP", self._http_host, self._http_port) from exc
             raise ArtifactError(
                 f"cannot listen for HTTP on {self._http_host}:{self._http_port}: {exc}"
             ) from exc
@@ -289,6 +292,8 @@ class ArtifactServer:
                 root, bind=(self._coap_host, self._coap_port), transports=["udp6"]
             )
         except (OSError, aiocoap.error.Error) as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+                raise ArtifactPortInUse("CoAP", self._coap_host, self._coap_port) from exc
             raise ArtifactError(
                 f"cannot listen for CoAP on {self._coap_host}:{self._coap_port}: {exc}"
             ) from exc

@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 
 from fleet.artifacts import ArtifactServer, ArtifactStats, publish
-from fleet.errors import ArtifactError
+from fleet.errors import ArtifactError, ArtifactPortInUse
 
 app = typer.Typer(
     help="Bundles by sha256 over HTTP (range requests) and CoAP (block-wise).",
@@ -67,6 +67,10 @@ def serve_cmd(  # noqa: PLR0917 - typer passes options as parameters
     )
     try:
         stats = asyncio.run(_serve(server, as_json))
+    except ArtifactPortInUse as exc:
+        option = "--http-port" if exc.transport == "HTTP" else "--coap-port"
+        typer.echo(f"error: {option}: {exc.host}:{exc.port} is already in use", err=True)
+        raise typer.Exit(1) from None
     except ArtifactError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

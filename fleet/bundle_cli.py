@@ -18,9 +18,9 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from cryptography.hazmat.primitives.asymmetric import ec
-from rich.console import Console
 from rich.table import Table
 
+from edge_agent.console import make_console
 from fleet import bundles, keys, target
 from fleet.cli_common import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, fail
 from fleet.errors import BundleError, FleetError, FleetKeyError
@@ -47,7 +47,7 @@ PassFileOpt = Annotated[
     typer.Option(
         "--passphrase-file",
         dir_okay=False,
-        help=f"File holding the keys' passphrase (one line) [default: ${keys.ENV_PASSPHRASE}].",
+        help=f"File holding the keys' passphrase (one line) \\[default: ${keys.ENV_PASSPHRASE}].",
     ),
 ]
 RootOpt = Annotated[
@@ -144,7 +144,7 @@ def build_cmd(  # noqa: PLR0917 - typer passes options as parameters
         typer.Option(
             "--probation-seconds",
             min=0,
-            help=f"How long devices watch the new version [default: {DEFAULT_PROBATION_S}].",
+            help=f"How long devices watch the new version \\[default: {DEFAULT_PROBATION_S}].",
         ),
     ] = None,
     probation_p99_us: Annotated[int | None, typer.Option("--probation-p99-us", min=0)] = None,
@@ -154,7 +154,7 @@ def build_cmd(  # noqa: PLR0917 - typer passes options as parameters
             "--target-config",
             dir_okay=False,
             help="A target device's agent.toml: refuse a probation too short for its window "
-            "rate ([perception] rate_hz / hop). Repeatable.",
+            "rate (\\[perception] rate_hz / hop). Repeatable.",
         ),
     ] = None,
     window_rate: Annotated[
@@ -170,7 +170,7 @@ def build_cmd(  # noqa: PLR0917 - typer passes options as parameters
         typer.Option("--delta-from", dir_okay=False, help="Old bundle: payloads as patches."),
     ] = None,
     bundle_id: Annotated[
-        str | None, typer.Option("--bundle-id", help="[default: KIND-VERSION]")
+        str | None, typer.Option("--bundle-id", help="\\[default: KIND-VERSION]")
     ] = None,
     description: Annotated[str, typer.Option("--description")] = "",
     sign_with: Annotated[
@@ -285,7 +285,7 @@ def _print_report(r: dict[str, Any]) -> None:
             else "whole"
         )
         table.add_row(str(p.get("name")), str(p.get("length")), str(p.get("sha256"))[:16], how)
-    Console(highlight=False, soft_wrap=True).print(table)
+    make_console(highlight=False, soft_wrap=True).print(table)
     if not r["signatures"]:
         typer.echo("signatures: none (unsigned)")
     for sig in r["signatures"]:
@@ -317,11 +317,11 @@ def inspect_cmd(  # noqa: PLR0917 - typer passes options as parameters
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
     device_type: Annotated[
         str | None,
-        typer.Option("--device-type", help="Check as this device type [default: its first]."),
+        typer.Option("--device-type", help="Check as this device type \\[default: its first]."),
     ] = None,
     agent_version: Annotated[
         str | None,
-        typer.Option("--agent-version", help="Check as this agent [default: this release]."),
+        typer.Option("--agent-version", help="Check as this agent \\[default: this release]."),
     ] = None,
     base: Annotated[
         list[Path] | None,

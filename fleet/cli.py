@@ -41,7 +41,7 @@ from fleet.cli_common import (
     out,
     store_url,
 )
-from fleet.errors import FleetError, IngestError
+from fleet.errors import ArtifactPortInUse, FleetError, IngestError
 from fleet.keys_cli import keys_app
 from fleet.pki_cli import broker_config_cmd, pki_app
 from fleet.rollout_cli import label as rollout_label
@@ -158,7 +158,7 @@ def serve(
     group: Annotated[str, typer.Option(help="Shared-subscription group.")] = "ingest",
     client_id: Annotated[
         str,
-        typer.Option(help="Stable MQTT client id (persistent session) [default: host-based]."),
+        typer.Option(help="Stable MQTT client id (persistent session; default: host-based)."),
     ] = "",
     batch_max: Annotated[int, typer.Option(help="Messages per store transaction.")] = 500,
     batch_ms: Annotated[int, typer.Option(help="Longest wait to fill a batch (ms).")] = 50,
@@ -184,12 +184,15 @@ def serve(
     artifact_port: Annotated[int, typer.Option(help="Artifact HTTP port (0: any).")] = 8700,
     coap_port: Annotated[int, typer.Option(help="Artifact CoAP port (0: any).")] = 5683,
     advertise: Annotated[
-        str, typer.Option(help="Host name devices use for the artifact server [bind address].")
+        str,
+        typer.Option(
+            help="Host name devices use for the artifact server (default: the bind address)."
+        ),
     ] = "",
     as_json: JsonOpt = False,
 ) -> None:
     """Ingest devices' MQTT uplink into the store until stopped (SIGTERM / Ctrl-C); with
-    ``--rollouts`` (the default) also serve bundles and run the rollouts."""
+    --rollouts (the default) also serve bundles and run the rollouts."""
     # Imported on use: the read-only commands never load paho.
     from fleet.ingest import IngestConfig, parse_broker  # noqa: PLC0415
     from fleet.ingest import serve as run  # noqa: PLC0415
@@ -244,11 +247,9 @@ def serve(
             # looks healthy while every rollout silently stands still.
             try:
                 serve_rollouts(rcfg, stop)
-            except BaseException as exc:  # reported by serve, below
+            except BaseException as exc:  # its one line is printed by serve, below
                 service_error.append(exc)
-                if isinstance(exc, FleetError):  # ours: the message says it all
-                    log.error("rollout service failed: %s; stopping fleet serve", exc)
-                else:
+                if not isinstance(exc, FleetError):  # a bug: the trace is worth having
                     log.exception("rollout service failed; stopping fleet serve")
                 stop.set()
 
@@ -263,7 +264,15 @@ def serve(
         if service is not None:
             service.join(timeout=5)
     if service_error:
-        _fail(f"rollout service failed: {service_error[0]}", EXIT_FAILURE)
+        failure = service_error[0]
+        if isinstance(failure, ArtifactPortInUse):
+            option = "--artifact-port" if failure.transport == "HTTP" else "--coap-port"
+            _fail(
+                f"{option}: {failure.host}:{failure.port} is already in use (another fleet "
+                "serve?); choose another port",
+                EXIT_FAILURE,
+            )
+        _fail(f"rollout service failed: {failure}", EXIT_FAILURE)
     per_worker = [s.as_dict() for s in stats]
     if as_json:
         _print_json({"workers": per_worker})

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
-from rich.console import Console
 
+from edge_agent.console import make_console
 from fleet.errors import FleetError
 from fleet.store import Store, open_store
 
@@ -20,8 +20,8 @@ EXIT_NOT_FOUND = 1
 EXIT_USAGE = 2
 EXIT_FAILURE = 3
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False)
+out = make_console(highlight=False, soft_wrap=True)
+err = make_console(stderr=True, highlight=False)
 
 StoreOpt = Annotated[
     str | None,
@@ -29,7 +29,7 @@ StoreOpt = Annotated[
         "--store",
         envvar=ENV_STORE,
         help="Store URL (sqlite:///abs/path.db, postgresql://...) or a SQLite file path "
-        "[default: ./fleet.db]",
+        "\\[default: ./fleet.db]",
         show_default=False,
     ),
 ]

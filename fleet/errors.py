@@ -12,6 +12,7 @@
      ├── IngestError             the ingest service cannot run (bad broker, bad options)
      ├── MessageRefused          one uplink message quarantined (bad topic, schema, device)
      └── ArtifactError           the artifact server cannot bind, read its folder or publish
+          └── ArtifactPortInUse  its HTTP or CoAP port is taken by another process
 """
 
 from __future__ import annotations
@@ -90,3 +91,14 @@ class MessageRefused(FleetError):
 class ArtifactError(FleetError):
     """The artifact server cannot serve: a missing directory, a port it cannot bind, a bundle
     it cannot publish. The message names the directory, address or file."""
+
+
+class ArtifactPortInUse(ArtifactError):
+    """The artifact server's HTTP or CoAP port (``transport``) is bound by another process;
+    the CLI names the option that set it."""
+
+    def __init__(self, transport: str, host: str, port: int) -> None:
+        super().__init__(f"{transport} {host}:{port} is already in use")
+        self.transport = transport
+        self.host = host
+        self.port = port

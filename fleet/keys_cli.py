@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from edge_agent.console import make_console
 from fleet import keys
 from fleet.cli_common import EXIT_FAILURE, EXIT_NOT_FOUND, EXIT_USAGE, JsonOpt, fail
 from fleet.errors import FleetKeyError
@@ -39,7 +39,7 @@ PassFileOpt = Annotated[
     typer.Option(
         "--passphrase-file",
         dir_okay=False,
-        help=f"File holding the keys' passphrase (one line) [default: ${keys.ENV_PASSPHRASE}].",
+        help=f"File holding the keys' passphrase (one line) \\[default: ${keys.ENV_PASSPHRASE}].",
     ),
 ]
 ExpiresOpt = Annotated[
@@ -142,10 +142,10 @@ def rotate_cmd(  # noqa: PLR0917 - typer passes options as parameters
         bool, typer.Option("--new-root-key", help="Make a new root key (add it to the role).")
     ] = False,
     root_threshold: Annotated[
-        int | None, typer.Option("--root-threshold", min=1, help="[default: unchanged]")
+        int | None, typer.Option("--root-threshold", min=1, help="\\[default: unchanged]")
     ] = None,
     bundle_threshold: Annotated[
-        int | None, typer.Option("--bundle-threshold", min=1, help="[default: unchanged]")
+        int | None, typer.Option("--bundle-threshold", min=1, help="\\[default: unchanged]")
     ] = None,
     expires_days: ExpiresOpt = 365,
     passphrase_file: PassFileOpt = None,
@@ -186,7 +186,7 @@ def rotate_cmd(  # noqa: PLR0917 - typer passes options as parameters
 def export_root_cmd(
     keys_dir: DirOpt = Path("keys"),
     out: Annotated[
-        Path | None, typer.Option("--out", dir_okay=False, help="Write here [default: stdout].")
+        Path | None, typer.Option("--out", dir_okay=False, help="Write here \\[default: stdout].")
     ] = None,
 ) -> None:
     """Print (or write) the current root.json: the file devices trust."""
@@ -225,6 +225,6 @@ def list_cmd(keys_dir: DirOpt = Path("keys"), as_json: JsonOpt = False) -> None:
             where += " (encrypted)"
         expires = f"{k.expires:%Y-%m-%d %H:%M}" if k.expires else "-"
         table.add_row(k.keyid[:16], ", ".join(k.roles), expires, where)
-    Console(highlight=False, soft_wrap=True).print(table)
+    make_console(highlight=False, soft_wrap=True).print(table)
     for path in listing.stray:
         typer.echo(f"note: {path.name} is not a key of the current root.json", err=True)

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from edge_agent.console import make_console
 from fleet import pki
 from fleet.broker_config import DEFAULT_SERVER_NAME, write_broker_config
 from fleet.errors import PkiError
@@ -96,7 +96,7 @@ def issue_cmd(  # noqa: PLR0917 - typer passes options as parameters
     ca_dir: DirOpt = Path("pki"),
     out: Annotated[
         Path | None,
-        typer.Option("--out", file_okay=False, help="Output folder [default: DIR/issued/NAME]."),
+        typer.Option("--out", file_okay=False, help="Output folder \\[default: DIR/issued/NAME]."),
     ] = None,
     kind: Annotated[KindChoice, typer.Option("--kind")] = KindChoice.device,
     host: Annotated[
@@ -158,7 +158,7 @@ def list_cmd(
     for c in issued:
         status = "[red]revoked[/red]" if c.revoked else "valid"
         table.add_row(c.name, c.kind, f"{c.not_after:%Y-%m-%d %H:%M}", status, c.fingerprint)
-    Console().print(table)
+    make_console().print(table)
 
 
 @pki_app.command("revoke")
@@ -202,7 +202,7 @@ def broker_config_cmd(  # noqa: PLR0917 - typer passes options as parameters
         typer.Option(
             "--host",
             help="Broker DNS name or IP for its certificate (repeatable) "
-            "[default: localhost, 127.0.0.1, ::1].",
+            "\\[default: localhost, 127.0.0.1, ::1].",
         ),
     ] = None,
     bind: Annotated[str, typer.Option("--bind", help="Address the TLS listener binds.")] = (
@@ -216,7 +216,7 @@ def broker_config_cmd(  # noqa: PLR0917 - typer passes options as parameters
         Path | None, typer.Option("--persistence-dir", file_okay=False)
     ] = None,
     log_file: Annotated[
-        Path | None, typer.Option("--log-file", dir_okay=False, help="[default: stderr]")
+        Path | None, typer.Option("--log-file", dir_okay=False, help="\\[default: stderr]")
     ] = None,
     run_as: Annotated[
         str | None, typer.Option("--run-as", help="User Mosquitto switches to when root.")

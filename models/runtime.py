@@ -80,6 +80,7 @@ from models.kernels import (
     kernels,
     unavailable_reason,
 )
+from models.native_log import runtime_stderr_to_log
 
 DEFAULT_MODEL_DIR: Final = Path(__file__).resolve().parent / "motor_drive"
 MANIFEST_NAME: Final = "manifest.json"
@@ -972,25 +973,31 @@ def load_model(
         )
     if backend_name in _UNVERIFIED_BACKENDS:
         _probe_in_child(backend_name, data, path)
-    try:
-        options: dict[str, Any] = {}
-        if not xnnpack:
-            options["experimental_op_resolver_type"] = (
-                module.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
-            )
-        interpreter = cast(
-            _Interpreter, module.Interpreter(model_content=data, num_threads=threads, **options)
+    options: dict[str, Any] = {}
+    if not xnnpack:
+        options["experimental_op_resolver_type"] = (
+            module.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
         )
-        interpreter.allocate_tensors()
-        inputs = interpreter.get_input_details()
-        outputs = interpreter.get_output_details()
-    except (ValueError, RuntimeError) as exc:
-        raise ModelRejected(
-            f"the {backend_name} interpreter refused it: {exc}", path=str(path)
-        ) from None
-    _check_io("input", inputs, manifest.input, path)
-    _check_io("output", outputs, manifest.output, path)
-    delegated = _is_delegated(interpreter)
+    # The runtime announces its delegate on fd 2 as it builds: a DEBUG record instead.
+    with runtime_stderr_to_log():
+        try:
+            interpreter = cast(
+                _Interpreter,
+                module.Interpreter(model_content=data, num_threads=threads, **options),
+            )
+            interpreter.allocate_tensors()
+            inputs = interpreter.get_input_details()
+            outputs = interpreter.get_output_details()
+        except (ValueError, RuntimeError) as exc:
+            raise ModelRejected(
+                f"the {backend_name} interpreter refused it: {exc}", path=str(path)
+            ) from None
+        _check_io("input", inputs, manifest.input, path)
+        _check_io("output", outputs, manifest.output, path)
+        delegated = _is_delegated(interpreter)
+        occluder = _occlusion_interpreter(
+            module, data, threads=threads, options=options, manifest=manifest, delegated=delegated
+        )
     return LoadedModel(
         manifest=manifest,
         path=path,
@@ -998,9 +1005,7 @@ def load_model(
         threads=threads,
         interpreter=interpreter,
         delegated=delegated,
-        occluder=_occlusion_interpreter(
-            module, data, threads=threads, options=options, manifest=manifest, delegated=delegated
-        ),
+        occluder=occluder,
         jit=jit,
     )
 

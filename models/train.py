@@ -47,6 +47,7 @@ import numpy.typing as npt
 
 from models import dataset
 from models.features import FeatureSpec, compute_features
+from models.native_log import runtime_stderr_to_log
 from models.runtime import (
     DEFAULT_MODEL_DIR,
     MANIFEST_NAME,
@@ -498,8 +499,9 @@ def build_manifest(
 
 def _io_details(tflite: bytes) -> dict[str, Any]:
     interpreter_mod = importlib.import_module("ai_edge_litert.interpreter")
-    interp = interpreter_mod.Interpreter(model_content=tflite)
-    interp.allocate_tensors()
+    with runtime_stderr_to_log():
+        interp = interpreter_mod.Interpreter(model_content=tflite)
+        interp.allocate_tensors()
     out: dict[str, Any] = {}
     for kind, details in (
         ("input", interp.get_input_details()),

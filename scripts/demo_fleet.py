@@ -13,8 +13,9 @@ and a CAN bus) with its uplink, health API and OTA. Then, with the ``fleet`` CLI
 4. a summary of what every gateway runs and how each rollout ended.
 
 Everything it makes lives in ``var/demo-fleet/`` (deleted at the start). Ctrl-C ends it
-early; every process is stopped on the way out. With stdout not a terminal it prints plain
-lines instead of the live view.
+early; every process is stopped on the way out, agents first and the broker last. With
+stdout not a terminal it prints plain lines instead of the live view: every command, each
+gateway coming online, each wave and each device's progress and outcome.
 
     .venv/bin/python scripts/demo_fleet.py [--agents 5] [--keep]
 """
@@ -44,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.hot_swap import copy_with_new_sha  # noqa: E402 - after the path set-up
+from edge_agent.console import make_console  # noqa: E402
 from fleet.rollout.orchestrator import load  # noqa: E402
 from fleet.store import open_store  # noqa: E402
 
@@ -78,6 +80,8 @@ class Demo:
     events: list[str] = field(default_factory=list)
     store_url: str = f"sqlite://{VAR / 'fleet.db'}"
     phase: str = "starting"
+    #: What rollout_events() has reported already.
+    seen: dict[tuple[object, ...], object] = field(default_factory=dict)
 
     # -- processes -------------------------------------------------------------------------
 
@@ -106,15 +110,20 @@ class Demo:
             print(f"{stamp} {text}", flush=True)
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(max(0.1, deadline - time.monotonic()))
-            if p.poll() is None:
-                p.kill()
+        """The agents first, then fleet serve, then the broker, each waited for: everyone
+        stops while what it talks to is still there (an agent's last flush to the broker)."""
+        agents = [g.proc for g in self.gateways if g.proc is not None]
+        rest = [p for p in reversed(self.procs) if p not in agents]
+        for group in (agents, *([p] for p in rest)):
+            for p in group:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            for p in group:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                if p.poll() is None:
+                    p.kill()
 
     # -- observing ---------------------------------------------------------------------------
 
@@ -172,10 +181,32 @@ class Demo:
         )
 
 
+def rollout_events(rollouts: list[Any], seen: dict[tuple[object, ...], object]) -> list[str]:
+    """A line for each change in ``rollouts`` not in ``seen`` yet (which this updates): the
+    rollout's own history (waves starting and passing, a halt) and each device's progress
+    (offered, its OTA state, then committed, or rolled back / failed with the reason)."""
+    lines: list[str] = []
+    for r in rollouts:
+        for t_ns, text in r.history:
+            if (r.id, t_ns, text) not in seen:
+                seen[(r.id, t_ns, text)] = True
+                lines.append(f"rollout {r.id} ({r.version}): {text}")
+        for name, d in sorted(r.devices.items()):
+            state = d.reason if d.state == "in_progress" else d.state
+            if state == "waiting" or seen.get((r.id, name)) == state:
+                continue
+            seen[(r.id, name)] = state
+            outcome = f": {d.reason}" if d.state in ("rolled_back", "failed", "timed_out") else ""
+            lines.append(f"rollout {r.id}: {name} {state} {r.version}{outcome}")
+    return lines
+
+
 def wait(demo: Demo, live: Live | None, pred: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while True:
         demo.poll()
+        for line in rollout_events(demo.rollouts(), demo.seen):
+            demo.note(line)
         if live is not None:
             live.update(demo.view())
         if pred():
@@ -220,7 +251,7 @@ def main() -> int:
         raise SystemExit("demo: mosquitto not found (apt-get install mosquitto)")
     shutil.rmtree(VAR, ignore_errors=True)
     (VAR / "logs").mkdir(parents=True)
-    console = Console()
+    console = make_console()  # a pipe or a log file: lines are never wrapped
     demo = Demo(console, live=console.is_terminal)
     started = time.monotonic()
     live: Live | None = None
@@ -263,6 +294,10 @@ def main() -> int:
                     st.close()
             except Exception:  # noqa: BLE001 - fleet serve still creating it
                 return False
+            for name in sorted(online):
+                if ("online", name) not in demo.seen:
+                    demo.seen[("online", name)] = True
+                    demo.note(f"{name} online in the fleet")
             return online >= {g.name for g in demo.gateways} and all(
                 g.status.get("windows", 0) > 20 for g in demo.gateways
             )
@@ -332,7 +367,10 @@ def main() -> int:
 
 def summary(demo: Demo, seconds: float) -> None:
     c = demo.console
-    c.rule("summary")
+    if c.is_terminal:
+        c.rule("summary")
+    else:
+        c.print("--- summary ---")
     versions = {}
     for g in demo.gateways:
         model = g.status.get("reasoning", {}).get("model", {}) if g.status else {}

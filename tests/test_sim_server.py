@@ -14,7 +14,7 @@ import pytest
 from cantools.database.can import Database as CanDatabase
 from pymodbus.client import AsyncModbusTcpClient
 
-from drivers.errors import DriverConfigError, ModbusConnectionError
+from drivers.errors import DriverConfigError, PortInUse
 from drivers.modbus.codec import decode
 from drivers.sim.plant import STEP_S, Anomaly, MotorPlant, step_index
 from drivers.sim.registers import SIM_REGISTERS
@@ -379,7 +379,7 @@ def test_start_up_errors_are_ours(tmp_path: Path) -> None:
 
     async def port_taken() -> None:
         async with PlantSimulator(can_interface=None) as first:
-            with pytest.raises(ModbusConnectionError, match=r"cannot listen on 127\.0\.0\.1:"):
+            with pytest.raises(PortInUse, match=r"^127\.0\.0\.1:\d+ is already in use$"):
                 await start(can_interface=None, modbus_port=first.modbus_port)
 
     asyncio.run(port_taken())

@@ -43,6 +43,7 @@ from pymodbus.datastore import (
 from pymodbus.server import ModbusTcpServer
 
 from drivers.errors import CanBusError, DriverConfigError, DriverError, ModbusConnectionError
+from drivers.sim.listen import check_bindable
 from drivers.sim.plant import SIGNALS, STATE_SIGNALS, Anomaly, MotorPlant, step_index
 from drivers.sim.registers import SIM_REGISTERS, register_writes, table_sizes
 from drivers.specs import RegisterFunction
@@ -492,6 +493,7 @@ class PlantSimulator:
             hr=block("holding"), ir=block("input"), co=block("coil"), di=block("discrete_input")
         )
         self._context = ModbusServerContext(devices={1: device}, single=False)  # type: ignore[no-untyped-call]
+        check_bindable(host, port)
         server = ModbusTcpServer(self._context, address=(host, port))
         try:
             await server.serve_forever(background=True)

@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from edge_agent.config import load_config
+from edge_agent.console import make_console
 from edge_agent.errors import ConfigError
 from edge_agent.memory._fs import iso_utc
 from edge_agent.memory.config import MemorySection
@@ -156,7 +157,7 @@ def _fmt_age(t_ns: int | None, now_ns: int) -> str:
 
 
 def _console() -> Console:
-    return Console(soft_wrap=False, highlight=False)
+    return make_console(highlight=False)
 
 
 # -- query ---------------------------------------------------------------------------------------

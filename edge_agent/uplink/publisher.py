@@ -155,6 +155,8 @@ class Uplink:
             time.monotonic,
         )
         self._ran = False
+        #: Set once run() is cancelled: a connection lost from then on is part of stopping.
+        self._stopping = False
         # counters (event loop thread only)
         self.sent = 0
         self.acked = 0
@@ -377,7 +379,11 @@ class Uplink:
             connack.set_result((True, f"connection closed before CONNACK: {why}"))
         if client is not self._client:
             return
-        if self._connected:
+        if self._connected and self._stopping:
+            # The broker went first (a site or demo shutdown): what is left stays in the
+            # outbox for the next start, as run()'s last line says.
+            log.info("uplink: connection to %s:%s lost while stopping: %s", *self._where(), why)
+        elif self._connected:
             self.disconnects += 1
             self.last_error = f"connection lost: {why}"
             log.warning("uplink: connection to %s:%s lost: %s", *self._where(), why)
@@ -496,7 +502,8 @@ class Uplink:
             )
             await asyncio.shield(self._connecting)
             client.loop_start()
-            failed, why = await asyncio.wait_for(connack, CONNACK_TIMEOUT_S)
+            async with asyncio.timeout(CONNACK_TIMEOUT_S):
+                failed, why = await connack
         except TimeoutError:
             return self._failed(f"cannot connect: no CONNACK within {CONNACK_TIMEOUT_S:g} s")
         except (OSError, ValueError) as exc:
@@ -548,8 +555,7 @@ class Uplink:
             if hold > 0:
                 if until_idle:
                     return  # shutting down: the rows wait in the outbox for the next start
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), hold)
+                await self._woken(hold)
                 continue
             timeout: float | None = None
             free = max_inflight - len(self._inflight)
@@ -562,8 +568,18 @@ class Uplink:
                         timeout = self._bucket.wait_s()
                 else:
                     timeout = self._bucket.wait_s()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            await self._woken(timeout)
+
+    async def _woken(self, timeout: float | None) -> None:
+        """Wait up to ``timeout`` s for ``_wake``.
+
+        Not ``asyncio.wait_for``: on Python 3.11 it swallows a cancel that arrives in the
+        step the event is set, and the agent does exactly that at stop (it publishes its
+        last windows, then cancels the uplink), so the uplink would never end.
+        """
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._wake.wait()
 
     def _send(self, rows: list[Any]) -> None:
         client = self._client
@@ -601,11 +617,13 @@ class Uplink:
                 sock.close()
 
     async def _shutdown(self) -> None:
+        self._stopping = True
         client = self._client
         if client is None or not self._connected:
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._drain(until_idle=True), FLUSH_S)
+            async with asyncio.timeout(FLUSH_S):
+                await self._drain(until_idle=True)
         if self._acks:
             acks, self._acks = self._acks, []
             self.outbox.ack(acks)
