@@ -382,7 +382,10 @@ class Updater:
             if loop.time() >= next_health:
                 next_health = loop.time() + self.health_every_s
                 try:
-                    ok = await asyncio.wait_for(self.activator.health(), self.health_every_s)
+                    # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that lands as
+                    # the check completes, and the probation would run on after a stop.
+                    async with asyncio.timeout(self.health_every_s):
+                        ok = await self.activator.health()
                 except Exception:  # noqa: BLE001 - a health check that raises did not answer
                     ok = False
                 health_ok += ok
