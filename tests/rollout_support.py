@@ -55,6 +55,11 @@ class Fleet:
         return st
 
     def start_service(self) -> None:
+        # Ports picked here, just before the bind, and kept for a restart (offers already sent
+        # name them). Picked when the fleet was made, another process (a second test run) had
+        # the seconds it takes 50 agents to start to take one, and no rollout ever advanced.
+        self.http_port = self.http_port or free_port()
+        self.coap_port = self.coap_port or free_port()
         self.stop_service = threading.Event()
         cfg = RolloutService(
             store_url=self.store_url,
@@ -135,8 +140,6 @@ def fleet(
         signer,
         f"sqlite://{tmp / 'fleet.db'}",
         tmp / "artifacts",
-        http_port=free_port(),
-        coap_port=free_port(),
     )
     f.artifacts.mkdir()
     stop_ingest = threading.Event()
