@@ -35,11 +35,11 @@ from fleet.ingest import (
     IngestConfig,
     IngestStats,
     IngestWorker,
-    _backoff_s,
     check_message,
     parse_broker,
     serve,
 )
+from fleet.ingest.config import backoff_s
 from fleet.store import Store, open_store
 from tests.mqtt_broker import Mosquitto, mosquitto
 from tests.pg import pg_url
@@ -263,8 +263,8 @@ def broker(tmp_path: Path) -> Iterator[Mosquitto]:
 def test_backoff_is_capped_however_long_the_outage() -> None:
     # 2 ** 1024 overflows a float: an outage long enough once killed the writer thread.
     for failures in (1, 5, 60, 1024, 100_000):
-        assert 0.0 <= _backoff_s(failures) <= 5.0
-    assert max(_backoff_s(1) for _ in range(200)) <= 0.2
+        assert 0.0 <= backoff_s(failures) <= 5.0
+    assert max(backoff_s(1) for _ in range(200)) <= 0.2
 
 
 def test_parse_broker() -> None:

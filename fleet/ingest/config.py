@@ -1,0 +1,147 @@
+"""What one ingest worker is configured with and what it counts; broker addresses."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from fleet.errors import IngestError
+from wire import MAX_PAYLOAD_BYTES
+
+#: Reason classes counted in :attr:`IngestStats.quarantined`.
+REASON_CLASSES = ("topic", "schema", "device_mismatch", "unknown_device", "store", "internal")
+#: Backoff between retries of a batch the store failed, seconds (jittered, capped).
+_BACKOFF_MAX_S = 5.0
+#: Consecutive failures of a batch before it is split to isolate a message the store refuses.
+SPLIT_AFTER = 3
+#: Failures in a row of a lone message, each with the store answering a ping, before it is
+#: quarantined although the store never said it refuses it (see _quarantine_refused).
+REFUSE_AFTER = 5
+
+
+def backoff_s(failures: int) -> float:
+    """Jittered exponential backoff after ``failures`` in a row, capped at _BACKOFF_MAX_S.
+
+    The exponent is capped too: ``2 ** 1024`` overflows a float, and a store down for
+    long enough would otherwise kill the writer thread (nothing stored or acked after).
+    """
+    return random.uniform(0, min(_BACKOFF_MAX_S, 0.1 * 2 ** min(failures, 16)))
+
+
+#: The largest MQTT packet the worker accepts (CONNECT Maximum Packet Size).
+MAX_PACKET_BYTES = 2 * MAX_PAYLOAD_BYTES
+#: Acks not sent by paho's thread within this time are sent by the writer.
+ACK_FALLBACK_S = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class IngestConfig:
+    """Everything one worker needs; plain data so it crosses a process boundary."""
+
+    store_url: str
+    broker_host: str = "127.0.0.1"
+    broker_port: int = 1883
+    group: str = "ingest"
+    client_id: str = ""
+    auto_register: bool = True
+    batch_max: int = 500
+    batch_ms: int = 50
+    #: Messages between paho's thread and the writer; also the MQTT 5 Receive Maximum.
+    queue_max: int = 10_000
+    #: Longest time paho's thread waits for room in a full queue before it drops a message
+    #: (unacked, so redelivered after the reconnect the drop forces).
+    full_wait_s: float = 10.0
+    session_expiry_s: int = 3600
+    keepalive_s: int = 30
+    username: str | None = None
+    password: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: Run ``store.migrate()`` when the writer starts (``serve`` migrates once, then not).
+    migrate: bool = True
+    #: Write through a store process of its own (see :class:`StoreClient`); False writes
+    #: from the writer thread (simpler, about half the throughput).
+    store_process: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.batch_max <= 100_000:
+            raise IngestError(f"batch_max {self.batch_max}: expected 1..100000")
+        if not 1 <= self.batch_ms <= 60_000:
+            raise IngestError(f"batch_ms {self.batch_ms}: expected 1..60000")
+        if not 1 <= self.queue_max <= 65_535:
+            raise IngestError(f"queue_max {self.queue_max}: expected 1..65535 (MQTT limit)")
+        if not 0 < self.full_wait_s <= 600:
+            raise IngestError(f"full_wait_s {self.full_wait_s}: expected 0 < seconds <= 600")
+        if not 0 < self.broker_port < 65_536:
+            raise IngestError(f"broker port {self.broker_port}: expected 1..65535")
+
+    def __repr__(self) -> str:  # the password must never reach a log line
+        shown = replace(self, password="***" if self.password else None)
+        fields = ", ".join(f"{k}={v!r}" for k, v in asdict(shown).items())
+        return f"IngestConfig({fields})"
+
+
+@dataclass
+class IngestStats:
+    """Counters of one worker. Written by its threads, read by anyone (ints are atomic)."""
+
+    received: int = 0
+    stored: int = 0
+    duplicates: int = 0
+    quarantined: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASON_CLASSES, 0))
+    states: int = 0
+    batches: int = 0
+    acked: int = 0
+    #: Dropped by the full queue (unacked, redelivered after a reconnect).
+    dropped: int = 0
+    #: QoS 0 messages dropped by the full queue: lost (a device sent them at most once).
+    dropped_qos0: int = 0
+    #: Unprocessed messages of a lost connection discarded on reconnect (the broker resends).
+    discarded: int = 0
+    store_retries: int = 0
+    connects: int = 0
+    last_error: str | None = None
+    #: UNIX ns of the first message received and of the last batch committed (rates).
+    first_received_ns: int | None = None
+    last_commit_ns: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["quarantined"] = dict(self.quarantined)
+        return d
+
+    def add(self, other: IngestStats) -> None:
+        for name in ("received", "stored", "duplicates", "states", "batches", "acked"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("dropped", "dropped_qos0", "discarded", "store_retries", "connects"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for k, v in other.quarantined.items():
+            self.quarantined[k] = self.quarantined.get(k, 0) + v
+        self.last_error = other.last_error or self.last_error
+        firsts = [t for t in (self.first_received_ns, other.first_received_ns) if t is not None]
+        lasts = [t for t in (self.last_commit_ns, other.last_commit_ns) if t is not None]
+        self.first_received_ns = min(firsts) if firsts else None
+        self.last_commit_ns = max(lasts) if lasts else None
+
+
+def parse_broker(text: str, default_port: int = 1883) -> tuple[str, int]:
+    """``host``, ``host:port`` or ``[v6]:port`` -> ``(host, port)``. Raises IngestError."""
+    host, port_text = text, ""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    if not host:
+        raise IngestError(f"broker {text!r}: expected host or host:port")
+    if not port_text:
+        return host, default_port
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise IngestError(f"broker {text!r}: port {port_text!r} is not a number") from None
+    if not 0 < port < 65_536:
+        raise IngestError(f"broker {text!r}: port {port} is out of range 1..65535")
+    return host, port

@@ -1,0 +1,446 @@
+"""One ingest worker: an MQTT 5 client in the shared-subscription group, a bounded inbox, a
+writer thread that commits batches and acks them after the commit (see the package docstring)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+
+from fleet.errors import IngestError, StoreRefused
+from fleet.ingest.checks import Incoming
+from fleet.ingest.config import (
+    ACK_FALLBACK_S,
+    MAX_PACKET_BYTES,
+    REFUSE_AFTER,
+    SPLIT_AFTER,
+    IngestConfig,
+    IngestStats,
+    backoff_s,
+)
+from fleet.ingest.storeproc import DirectStore, StoreClient, StoreOps
+from fleet.store import Quarantined, open_store
+from fleet.store.base import QUARANTINE_PAYLOAD_MAX
+from wire.topics import shared_subscription
+
+log = logging.getLogger(__name__)
+
+
+class IngestWorker:
+    """One ingest client: paho's network thread, a writer thread, and (by default) a store
+    process of its own (:class:`StoreClient`).
+
+    ``start()`` returns once the writer thread runs; the MQTT connection is made and remade
+    in the background (jittered backoff). ``stop()`` commits and acks what it holds, then
+    disconnects; anything unacked is redelivered to the group later.
+    """
+
+    def __init__(self, config: IngestConfig) -> None:
+        self.config = config
+        self.stats = IngestStats()
+        self.client_id = config.client_id or f"fleet-ingest-{socket.gethostname()}"
+        # A deque, not queue.Queue: append/popleft are atomic under the GIL and cost a
+        # fraction of Queue's lock and condition per message. Bounded by the check in
+        # _on_message (only paho's thread appends), woken through _wake.
+        self._inbox: deque[Incoming] = deque()
+        self._wake = threading.Event()
+        self._space = threading.Event()
+        #: Committed messages waiting for their PUBACK, and since when (monotonic).
+        self._acks: deque[Incoming] = deque()
+        self._acks_since = 0.0
+        self._ack_lock = threading.Lock()
+        self._epoch = 0
+        #: Messages of connections before this one are skipped by the writer (resent).
+        self._discard_before = 0
+        self._stopping = threading.Event()
+        self._resync = threading.Event()
+        self._ready = threading.Event()
+        self._subscribed = threading.Event()
+        self._writer: threading.Thread | None = None
+        self._start_error: BaseException | None = None
+        self._logged: set[str] = set()
+        self._queue_max = config.queue_max
+        self._client = self._make_client()
+
+    # --- MQTT side (paho's thread) -------------------------------------------------------
+
+    def _make_client(self) -> mqtt.Client:
+        cfg = self.config
+        client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=self.client_id,
+            protocol=mqtt.MQTTv5,
+            manual_ack=True,
+        )
+        if cfg.username is not None:
+            client.username_pw_set(cfg.username, cfg.password)
+        if cfg.tls_ca or cfg.tls_cert:
+            client.tls_set(
+                ca_certs=cfg.tls_ca,
+                certfile=cfg.tls_cert,
+                keyfile=cfg.tls_key,
+                tls_version=ssl.PROTOCOL_TLS_CLIENT,
+            )
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        client.on_subscribe = self._on_subscribe
+        # Retry every second, no growing backoff: Mosquitto (2.0.11 tested) restores a
+        # persistent session after a restart but NOT its shared subscriptions, so until we
+        # resubscribe, messages published to the group are routed to nobody and lost. The
+        # ingest must be back before the devices are (they back off for longer).
+        client.reconnect_delay_set(min_delay=1, max_delay=1)
+        return client
+
+    def _connect_properties(self) -> Properties:
+        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+        props.SessionExpiryInterval = self.config.session_expiry_s
+        # Flow control: the broker never has more unacked messages out to us than the queue
+        # holds, so the queue cannot overflow while the writer is slow or the store is down.
+        props.ReceiveMaximum = self.config.queue_max
+        # Memory: the queue counts messages, not bytes, and a broker may allow far larger
+        # packets (Mosquitto: 256 MB). Up to twice the contract's limit still reaches us and
+        # is quarantined with its size; beyond, the broker drops it for this client.
+        props.MaximumPacketSize = MAX_PACKET_BYTES
+        return props
+
+    def _on_connect(
+        self,
+        client: mqtt.Client,
+        userdata: object,
+        flags: mqtt.ConnectFlags,
+        reason_code: ReasonCode,
+        properties: Properties | None,
+    ) -> None:
+        if reason_code.is_failure:
+            self._note("connect", f"broker refused the connection: {reason_code}")
+            return
+        # Under the ack lock: the writer must never ack an old connection's mid on this one.
+        with self._ack_lock:
+            self._epoch += 1
+            if flags.session_present:
+                # The broker resends every unacked message of the session (MQTT 5 4.4.0-1):
+                # what still waits here from the old connection would only be stored twice.
+                self._discard_before = self._epoch
+        self.stats.connects += 1
+        client.subscribe([(t, 1) for t in shared_subscription(self.config.group)])
+        log.info(
+            "ingest %s connected to %s:%d (session present: %s)",
+            self.client_id,
+            self.config.broker_host,
+            self.config.broker_port,
+            flags.session_present,
+        )
+
+    def _on_subscribe(
+        self,
+        client: mqtt.Client,
+        userdata: object,
+        mid: int,
+        reason_codes: list[ReasonCode],
+        properties: Properties | None,
+    ) -> None:
+        refused = [str(rc) for rc in reason_codes if rc.is_failure]
+        if refused:
+            self._note("subscribe", f"broker refused the subscriptions: {', '.join(refused)}")
+        else:
+            self._subscribed.set()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """True once the broker granted the group subscriptions (first connection)."""
+        return self._subscribed.wait(timeout)
+
+    def _on_disconnect(
+        self,
+        client: mqtt.Client,
+        userdata: object,
+        flags: mqtt.DisconnectFlags,
+        reason_code: ReasonCode,
+        properties: Properties | None,
+    ) -> None:
+        # Acks for messages of the lost connection would name mids of the next one: bump the
+        # epoch so the writer skips them (the broker redelivers them instead).
+        with self._ack_lock:
+            self._epoch += 1
+        if not self._stopping.is_set():
+            log.warning("ingest %s disconnected: %s", self.client_id, reason_code)
+
+    def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        if self._stopping.is_set():
+            # Left unacked: the broker keeps it for this session. Taking more while stopping
+            # would keep the writer (and stop()) busy for as long as traffic flows.
+            return
+        # Every line here runs once per message in the thread that bounds the worker's
+        # rate (see StoreClient): keep it to queueing.
+        stats = self.stats
+        now = time.time_ns()
+        stats.received += 1
+        if stats.first_received_ns is None:
+            stats.first_received_ns = now
+        if self._acks:
+            self._flush_acks()
+        try:
+            topic = msg.topic
+        except UnicodeDecodeError:
+            topic = repr(msg._topic)  # paho refuses to decode it for us
+        item = (self._epoch, msg.mid, msg.qos, topic, bytes(msg.payload), now)
+        if len(self._inbox) >= self._queue_max and not self._wait_for_space():
+            if msg.qos == 0:
+                # Sent at most once: no reconnect brings it back, so none is forced.
+                self.stats.dropped_qos0 += 1
+                return
+            # Unacked, so the broker still owes it to us: it is redelivered after the
+            # reconnect that _do_resync forces.
+            self.stats.dropped += 1
+            self._resync.set()
+            return
+        self._inbox.append(item)
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def _wait_for_space(self) -> bool:
+        """Backpressure: hold paho's thread (so it stops reading the socket and TCP holds the
+        broker) until the writer frees room, for at most ``config.full_wait_s``.
+
+        Receive Maximum keeps QoS 1 messages from filling the inbox (Mosquitto 2.0.11 was
+        seen to send past it); QoS 0 messages are outside its count. Cannot deadlock: the
+        writer frees room by taking messages, which does not need paho's thread (acks are
+        only queued for it)."""
+        deadline = time.monotonic() + self.config.full_wait_s
+        while len(self._inbox) >= self.config.queue_max:
+            if time.monotonic() > deadline or self._stopping.is_set():
+                return False
+            self._space.wait(0.01)
+            self._space.clear()
+        return True
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Open and migrate the store, start the writer, start connecting to the broker."""
+        self._writer = threading.Thread(
+            target=self._writer_main, name=f"ingest-writer-{self.client_id}", daemon=True
+        )
+        self._writer.start()
+        if not self._ready.wait(timeout):
+            raise IngestError(f"ingest {self.client_id}: store did not open within {timeout} s")
+        if self._start_error is not None:
+            raise self._start_error
+        self._client.connect_async(
+            self.config.broker_host,
+            self.config.broker_port,
+            keepalive=self.config.keepalive_s,
+            clean_start=False,
+            properties=self._connect_properties(),
+        )
+        self._client.loop_start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Flush and ack what is held, then disconnect (the session stays at the broker)."""
+        self._stopping.set()
+        if self._writer is not None:
+            self._writer.join(timeout)
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    def __enter__(self) -> IngestWorker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- writer thread -------------------------------------------------------------------
+
+    def _writer_main(self) -> None:
+        store: StoreOps
+        try:
+            if self.config.store_process:
+                store = StoreClient(self.config.store_url, migrate=self.config.migrate)
+            else:
+                direct = open_store(self.config.store_url)
+                if self.config.migrate:
+                    direct.migrate()
+                store = DirectStore(direct)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by start() in its thread
+            self._start_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._writer_loop(store)
+        finally:
+            store.close()
+
+    def _writer_loop(self, store: StoreOps) -> None:
+        inbox = self._inbox
+        batch_s = self.config.batch_ms / 1000
+        batch_max = self.config.batch_max
+        while True:
+            if self._resync.is_set():
+                self._do_resync()
+            if self._acks and time.monotonic() - self._acks_since > ACK_FALLBACK_S:
+                self._flush_acks()
+            if not inbox:
+                self._wake.clear()
+                if not inbox:  # re-check: paho may have appended before the clear
+                    if self._stopping.is_set():
+                        self._flush_acks()
+                        return
+                    self._wake.wait(ACK_FALLBACK_S if self._acks else 0.1)
+                    continue
+            # Group commit: take what is waiting (up to batch_max); linger up to batch_ms
+            # for more only while the batch is small, so a trickle is stored at once and a
+            # flood is stored in big transactions.
+            batch: list[Incoming] = []
+            deadline = time.monotonic() + batch_s
+            while len(batch) < batch_max:
+                try:
+                    item = inbox.popleft()
+                except IndexError:
+                    pass
+                else:
+                    if item[0] >= self._discard_before:
+                        batch.append(item)
+                    else:
+                        self.stats.discarded += 1
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0 or len(batch) >= batch_max // 10 or self._stopping.is_set():
+                    break
+                self._wake.clear()
+                if not inbox:
+                    self._wake.wait(min(left, 0.005))
+            self._space.set()
+            if batch:
+                self._commit_with_retry(store, batch)
+
+    def _do_resync(self) -> None:
+        self._resync.clear()
+        self._note("dropped", "internal queue full: dropped unacked messages; reconnecting")
+        # A forced reconnect makes the broker redeliver every unacked message (MQTT 5 4.4).
+        sock = self._client.socket()
+        if sock is not None:
+            sock.close()
+
+    def _commit_with_retry(self, store: StoreOps, batch: list[Incoming]) -> None:
+        """Commit ``batch``, retrying with backoff until it is stored (or, stopping, left
+        unacked for the broker to redeliver). After a few failures a batch is split and
+        each message retried alone, so one bad message cannot hold the others back; a lone
+        message is quarantined only when the store refuses it (``_quarantine_refused``)."""
+        failures = answered = 0
+        while True:
+            try:
+                self._commit(store, batch)
+                return
+            except Exception as exc:  # noqa: BLE001 - any store failure: retry, then split
+                failures += 1
+                self.stats.store_retries += 1
+                self._note(f"store:{type(exc).__name__}", f"store failed a batch: {exc}")
+                error = exc
+            # A refusal is the data's, not the moment's: no point retrying the same rows.
+            refused = isinstance(error, StoreRefused)
+            if self._stopping.is_set() and failures >= SPLIT_AFTER:
+                return  # unacked: the broker redelivers to the group
+            if refused or failures >= SPLIT_AFTER:
+                if len(batch) > 1:
+                    for item in batch:
+                        self._commit_with_retry(store, [item])
+                    return
+                if not refused:
+                    answered = answered + 1 if self._store_answers(store) else 0
+                if (refused or answered >= REFUSE_AFTER) and self._quarantine_refused(
+                    store, batch[0], error
+                ):
+                    return
+            time.sleep(backoff_s(failures))
+
+    def _store_answers(self, store: StoreOps) -> bool:
+        try:
+            store.ping()
+        except Exception:  # noqa: BLE001 - the store is down: an outage, not this message
+            return False
+        return True
+
+    def _quarantine_refused(self, store: StoreOps, item: Incoming, error: Exception) -> bool:
+        """Quarantine a lone message the store refuses: it said so (:class:`StoreRefused`,
+        a constraint or a value it cannot hold), or it kept failing this message
+        ``REFUSE_AFTER`` times in a row while answering a ping each time (an error we do
+        not know, which must not stall ingest for every device). Never during an outage: a
+        database that is down, or coming back, must not make a good message look bad.
+        False if the quarantine itself could not be written (retry)."""
+        self._note("store-refused", f"store refused a message on {item[3]}: {error}")
+        try:
+            store.quarantine(
+                [
+                    Quarantined(
+                        item[3],
+                        item[4][:QUARANTINE_PAYLOAD_MAX],
+                        f"store refused the message: {error}",
+                        "$",
+                        item[5],
+                        None,
+                    )
+                ]
+            )
+        except Exception:  # noqa: BLE001
+            return False  # the store is down after all: keep retrying
+        self.stats.quarantined["store"] += 1
+        self._ack([item])
+        return True
+
+    def _commit(self, store: StoreOps, batch: list[Incoming]) -> None:
+        out = store.process(batch, auto_register=self.config.auto_register)
+        stats = self.stats
+        stats.batches += 1
+        stats.last_commit_ns = time.time_ns()
+        stats.stored += out.inserted
+        stats.duplicates += out.duplicates
+        stats.states += out.states
+        for cls, n in out.refused.items():
+            stats.quarantined[cls] = stats.quarantined.get(cls, 0) + n
+        for kind, text in out.notes:
+            self._note(kind, text)
+        self._ack(batch)
+
+    def _ack(self, batch: Iterable[Incoming]) -> None:
+        """Hand committed messages to paho's thread to PUBACK (see _flush_acks)."""
+        if not self._acks:
+            self._acks_since = time.monotonic()
+        self._acks.extend(batch)
+
+    def _flush_acks(self) -> None:
+        """PUBACK what is committed. Called by paho's thread on each message (the usual
+        path: each ack costs a socket write, and from the writer thread every one of them
+        waited to get the GIL back from paho's thread) and by the writer when acks have
+        waited 20 ms (the broker stops sending once Receive Maximum messages are unacked,
+        so no new message may come to flush them)."""
+        with self._ack_lock:
+            epoch = self._epoch
+            acks = self._acks
+            while acks:
+                item = acks.popleft()
+                if item[2] > 0 and item[0] == epoch:  # qos, the connection of its mid
+                    rc = self._client.ack(item[1], item[2])
+                    if rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
+                        self.stats.acked += 1
+
+    def _note(self, kind: str, text: str) -> None:
+        """Record the last error; log each kind of failure once (not once per message)."""
+        self.stats.last_error = text
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("ingest %s: %s", self.client_id, text)
+
+
+# --- running several workers -------------------------------------------------------------
