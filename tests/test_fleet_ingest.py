@@ -42,7 +42,7 @@ from fleet.ingest import (
 from fleet.ingest.config import backoff_s
 from fleet.store import Store, open_store
 from tests.mqtt_broker import Mosquitto, mosquitto
-from tests.pg import pg_url
+from tests.pg import pg_schema_url
 from tests.tcp_proxy import TcpProxy, target_of, via
 from wire import (
     MAX_PAYLOAD_BYTES,
@@ -809,7 +809,11 @@ def test_last_will_marks_a_vanished_device_offline(tmp_path: Path, broker: Mosqu
 def test_end_to_end_on_postgresql_with_two_worker_processes(
     tmp_path: Path, broker: Mosquitto
 ) -> None:
-    url = pg_url()
+    with pg_schema_url() as url:
+        _two_workers_on_postgresql(url, broker)
+
+
+def _two_workers_on_postgresql(url: str, broker: Mosquitto) -> None:
     tag = uuid.uuid4().hex[:8]
     devices = {f"pg-{tag}-{i}": boot_id() for i in range(10)}
     per_device = 80
@@ -872,9 +876,9 @@ def test_database_outage_mid_stream_stores_every_message_once(
     exactly once when the database is back."""
     tag = uuid.uuid4().hex[:8]
     device, boot, total = f"pgcut-{tag}", boot_id(), 500
-    with TcpProxy(*target_of(pg_url())) as proxy:
-        url = via(pg_url(), proxy.port)
-        store = opened(pg_url())
+    with pg_schema_url() as direct, TcpProxy(*target_of(direct)) as proxy:
+        url = via(direct, proxy.port)
+        store = opened(direct)
         try:
             with make_worker(
                 broker, url, client_id=f"cut-{tag}", store_process=store_process

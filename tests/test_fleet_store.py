@@ -8,11 +8,11 @@ skip, which CI (where it is always set) turns into failures: the store is proven
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import sqlite3
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,7 @@ from fleet.store import (
 )
 from fleet.store.migrations import LATEST
 from fleet.store.sqlite import SqliteStore
-from tests.pg import pg_url
+from tests.pg import pg_schema_url, pg_url, private_schema
 from tests.tcp_proxy import TcpProxy, target_of, via
 from wire.messages import (
     DecisionMsg,
@@ -79,29 +79,18 @@ class Backend:
         return store
 
 
-def _with_search_path(url: str, schema: str) -> str:
-    sep = "&" if "?" in url else "?"
-    return f"{url}{sep}options=-csearch_path%3D{schema}"
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     if request.param == "sqlite":
         yield Backend("sqlite", f"sqlite://{tmp_path / 'fleet.db'}")
         return
-    base = pg_url()
-    schema = f"t_{uuid.uuid4().hex}"
-    try:
-        with psycopg.connect(base, autocommit=True) as pg:
-            pg.execute(f"CREATE SCHEMA {schema}".encode())
-    except psycopg.Error as exc:
-        pytest.fail(f"cannot reach EDGEFLEET_TEST_PG_URL ({exc}); {PG_HELP}")
-    try:
-        url = _with_search_path(base, schema) + f"&application_name={schema}"
-        yield Backend("postgresql", url, app=schema)
-    finally:
-        with psycopg.connect(base, autocommit=True) as pg:
-            pg.execute(f"DROP SCHEMA {schema} CASCADE".encode())
+    with contextlib.ExitStack() as stack:
+        try:
+            url = stack.enter_context(private_schema(pg_url()))
+        except psycopg.Error as exc:
+            pytest.fail(f"cannot reach EDGEFLEET_TEST_PG_URL ({exc}); {PG_HELP}")
+        # private_schema names the sessions after their schema (application_name).
+        yield Backend("postgresql", url, app=url.rsplit("application_name=", 1)[1])
 
 
 @pytest.fixture
@@ -273,8 +262,8 @@ def test_ping_answers_on_both_backends_and_fails_on_a_closed_sqlite(store: Store
 
 def test_ping_answers_while_the_database_does_and_raises_while_it_is_gone() -> None:
     # PostgreSQL through a link the test cuts: the store reconnects once it is back.
-    with TcpProxy(*target_of(pg_url())) as proxy:
-        store = open_store(via(pg_url(), proxy.port))
+    with pg_schema_url() as url, TcpProxy(*target_of(url)) as proxy:
+        store = open_store(via(url, proxy.port))
         try:
             store.ping()
             proxy.cut()
