@@ -281,8 +281,9 @@ def serve(
         q = sum(s["quarantined"].values())
         err.print(
             f"worker {i}: received {s['received']}, stored {s['stored']}, duplicates "
-            f"{s['duplicates']}, quarantined {q}, batches {s['batches']}, dropped {s['dropped']} "
-            f"(redelivered), dropped QoS 0 {s['dropped_qos0']} (lost)",
+            f"{s['duplicates']}, conflicts {s['conflicts']} (quarantined), quarantined {q}, "
+            f"batches {s['batches']}, dropped {s['dropped']} (redelivered), dropped QoS 0 "
+            f"{s['dropped_qos0']} (lost)",
             markup=False,
         )
 

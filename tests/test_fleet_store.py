@@ -263,6 +263,86 @@ def test_ingest_counts_duplicates_within_and_across_batches(store: Store) -> Non
     assert decode("telemetry", got[-1][3]).seq == 5
 
 
+def _other_body(row: Row, mean: float) -> Row:
+    """``row`` with the same key and a different (valid) body: a conflicting message."""
+    msg = decode("telemetry", row.body)
+    assert isinstance(msg, TelemetryMsg)
+    body = encode(
+        TelemetryMsg(
+            device=msg.device,
+            boot_id=msg.boot_id,
+            seq=msg.seq,
+            t_ns=msg.t_ns,
+            period_ns=msg.period_ns,
+            keyframe=msg.keyframe,
+            signals={"rpm": SignalStats(mean, 0.0, 9e9, mean, 1)},
+        )
+    )
+    return Row(row.device, row.site, row.kind, row.boot_id, row.seq, row.t_ns, body, 7)
+
+
+def _conflict_stores(backend: Backend) -> list[Store]:
+    """The backend's store, and on PostgreSQL its ``executemany`` insert mode too (the
+    conflict check differs: a join on the COPY's temp table, or arrays of keys and bodies)."""
+    stores = [backend.open()]
+    if backend.name == "postgresql":
+        from fleet.store.postgres import PostgresStore  # noqa: PLC0415 - needs psycopg
+
+        stores.append(PostgresStore(backend.url, insert_mode="executemany"))
+    return stores
+
+
+def test_another_body_under_a_stored_key_is_a_conflict_quarantined_first_kept(
+    backend: Backend,
+) -> None:
+    # Before: counted as a duplicate and the second body dropped without a trace.
+    for n, store in enumerate(_conflict_stores(backend)):
+        dev = f"gw{n}"
+        try:
+            first = [telemetry(dev, s) for s in (1, 2, 3)]
+            assert store.ingest(first) == IngestResult(inserted=3, duplicates=0)
+            forged = _other_body(first[1], 42.0)
+            # The same bytes again: a duplicate. Other bytes: a conflict. New seq: stored.
+            result = store.ingest([first[0], forged, telemetry(dev, 4)])
+            assert result == IngestResult(inserted=1, duplicates=1, conflicts=1)
+            bodies = {seq: body for _, seq, _, body in store.telemetry(dev, limit=10)}
+            assert bodies[2] == first[1].body, "the first body stays"
+            held = [q for q in store.quarantined(limit=100) if q.device == dev]
+            assert len(held) == 1
+            q = held[0]
+            assert q.reason.startswith("conflict: seq 2 of boot " + BOOT_A)
+            assert q.payload == forged.body
+            assert q.topic == f"edgefleet/v1/plant1/{dev}/telemetry"
+            assert (q.where, q.received_ns) == ("$", 7)
+        finally:
+            store.close()
+
+
+def test_two_bodies_of_one_key_in_one_batch_keep_the_first_and_quarantine_the_other(
+    backend: Backend,
+) -> None:
+    for n, store in enumerate(_conflict_stores(backend)):
+        dev = f"gw{n}"
+        try:
+            row = telemetry(dev, 5)
+            other = _other_body(row, 1.0)
+            batch = [row, other, row, telemetry(dev, 6), _other_body(row, 2.0)]
+            assert store.ingest(batch) == IngestResult(inserted=2, duplicates=1, conflicts=2)
+            assert [b for _, s, _, b in store.telemetry(dev) if s == 5] == [row.body]
+            # Arrival order decides, not the bytes: the conflicting body first is kept.
+            late = telemetry(dev, 7)
+            assert store.ingest([_other_body(late, 3.0), late]) == IngestResult(1, 0, 1)
+            assert [b for _, s, _, b in store.telemetry(dev) if s == 7] == [
+                _other_body(late, 3.0).body
+            ]
+            held = [q for q in store.quarantined(limit=100) if q.device == dev]
+            assert sorted(q.payload for q in held) == sorted(
+                [other.body, _other_body(row, 2.0).body, late.body]
+            )
+        finally:
+            store.close()
+
+
 def test_ping_answers_on_both_backends_and_fails_on_a_closed_sqlite(store: Store) -> None:
     store.ping()
     if isinstance(store, SqliteStore):

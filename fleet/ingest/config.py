@@ -89,7 +89,11 @@ class IngestStats:
 
     received: int = 0
     stored: int = 0
+    #: The same bytes under a key already stored (a redelivery): dropped.
     duplicates: int = 0
+    #: Other bytes under a key already stored: quarantined (reason ``conflict: ...``), the
+    #: first body kept. Not in ``quarantined``, which counts the checks' refusals.
+    conflicts: int = 0
     quarantined: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASON_CLASSES, 0))
     states: int = 0
     batches: int = 0
@@ -113,9 +117,9 @@ class IngestStats:
         return d
 
     def add(self, other: IngestStats) -> None:
-        for name in ("received", "stored", "duplicates", "states", "batches", "acked"):
+        for name in ("received", "stored", "duplicates", "conflicts", "states", "batches"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("dropped", "dropped_qos0", "discarded", "store_retries", "connects"):
+        for name in ("acked", "dropped", "dropped_qos0", "discarded", "store_retries", "connects"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, v in other.quarantined.items():
             self.quarantined[k] = self.quarantined.get(k, 0) + v

@@ -73,7 +73,14 @@ def _store_server(url: str, migrate: bool, conn: Connection) -> None:
                 if method == "batch":
                     items, auto = args
                     out = process_batch(store, items, known, auto_register=auto)
-                    result = (out.inserted, out.duplicates, out.states, out.refused, out.notes)
+                    result = (
+                        out.inserted,
+                        out.duplicates,
+                        out.conflicts,
+                        out.states,
+                        out.refused,
+                        out.notes,
+                    )
                 elif method == "ping":
                     store.ping()
                 else:
@@ -154,8 +161,10 @@ class StoreClient:
     def process(self, items: Sequence[Incoming], *, auto_register: bool) -> BatchOutcome:
         result = self._call("batch", (items, auto_register))
         assert isinstance(result, tuple)
-        inserted, duplicates, states, refused, notes = result
-        return BatchOutcome(int(inserted), int(duplicates), int(states), refused, notes)
+        inserted, duplicates, conflicts, states, refused, notes = result
+        return BatchOutcome(
+            int(inserted), int(duplicates), int(conflicts), int(states), refused, notes
+        )
 
     def quarantine(self, items: Sequence[Quarantined]) -> None:
         self._call(

@@ -406,6 +406,9 @@ class IngestWorker:
         stats.last_commit_ns = time.time_ns()
         stats.stored += out.inserted
         stats.duplicates += out.duplicates
+        stats.conflicts += out.conflicts
+        if out.conflicts:
+            self._note("conflict", f"quarantined {out.conflicts} conflicting message(s)")
         stats.states += out.states
         for cls, n in out.refused.items():
             stats.quarantined[cls] = stats.quarantined.get(cls, 0) + n

@@ -210,6 +210,16 @@ class PostgresStore:
         def write(db: psycopg.Connection[tuple[Any, ...]]) -> IngestResult:
             with db.transaction(), db.cursor() as cur:
                 inserted = self._insert_messages(db, batch)
+                conflicts = batch.conflicts
+                if inserted < len(batch.messages):
+                    conflicts = conflicts + self._conflicting(cur, batch)
+                if conflicts:
+                    cur.executemany(
+                        "INSERT INTO quarantine (received_ns, topic, device, reason, where_path, "
+                        "payload) "
+                        "VALUES (%s, %s, %s, %s, %s, %s)",
+                        _common.conflict_rows(conflicts),
+                    )
                 # One statement per table over arrays, not executemany: that is one server
                 # round of parse, plan and execute per device, which cost more than the COPY
                 # of the whole batch. The keys are unique (prepare merged them), and ORDER BY
@@ -229,9 +239,34 @@ class PostgresStore:
                     "WHERE device = %(d)s AND (latency_t_ns IS NULL OR latency_t_ns <= %(t)s)",
                     [{"d": d, "j": j, "t": t} for d, j, t in batch.latencies],
                 )
-            return IngestResult(inserted, len(rows) - inserted)
+            n = len(conflicts)
+            return IngestResult(inserted, len(rows) - inserted - n, n)
 
         return self._run("ingest", go)
+
+    def _conflicting(self, cur: psycopg.Cursor[tuple[Any, ...]], batch: _common.Batch) -> list[Row]:
+        """Rows of ``batch`` that were not inserted because their key holds another body.
+
+        Only asked when some row was not inserted (a redelivery, rare). The comparison
+        runs in the server: against the batch already copied to ``ingest_batch``, or, in
+        ``executemany`` mode, against the batch's keys and bodies sent as arrays. Under
+        READ COMMITTED this statement sees a row another worker committed while our
+        insert waited on its key."""
+        if self.insert_mode == "copy":
+            cur.execute(
+                "SELECT b.device, b.boot_id, b.seq FROM ingest_batch b "
+                "JOIN messages m USING (device, boot_id, seq) WHERE m.body <> b.body"
+            )
+        else:
+            cols = _columns([(r.device, r.boot_id, r.seq, r.body) for r in batch.rows], 4)
+            cur.execute(
+                "SELECT b.device, b.boot_id, b.seq FROM unnest(%s::text[], %s::text[], "
+                "%s::int8[], %s::bytea[]) AS b (device, boot_id, seq, body) "
+                "JOIN messages m USING (device, boot_id, seq) WHERE m.body <> b.body",
+                cols,
+            )
+        keys = {(str(d), str(b), int(q)) for d, b, q in cur.fetchall()}
+        return [r for r in batch.rows if (r.device, r.boot_id, r.seq) in keys]
 
     def quarantine(self, items: Sequence[Quarantined]) -> None:
         if not items:

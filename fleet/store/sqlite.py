@@ -190,6 +190,16 @@ class SqliteStore:
                     batch.messages,
                 )
                 inserted = cur.rowcount
+                conflicts = batch.conflicts
+                if inserted < len(batch.messages):
+                    conflicts = conflicts + self._conflicting(db, batch)
+                if conflicts:
+                    db.executemany(
+                        "INSERT INTO quarantine (received_ns, topic, device, reason, where_path, "
+                        "payload) "
+                        "VALUES (?, ?, ?, ?, ?, ?)",
+                        _common.conflict_rows(conflicts),
+                    )
                 db.executemany(
                     "INSERT INTO boots (device, boot_id, first_received_ns) VALUES (?, ?, ?) "
                     "ON CONFLICT (device, boot_id) DO UPDATE SET "
@@ -208,9 +218,26 @@ class SqliteStore:
                     "WHERE device = ?1 AND (latency_t_ns IS NULL OR latency_t_ns <= ?3)",
                     batch.latencies,
                 )
-            return IngestResult(inserted, len(rows) - inserted)
+            n = len(conflicts)
+            return IngestResult(inserted, len(rows) - inserted - n, n)
 
         return self._run("ingest", go)
+
+    @staticmethod
+    def _conflicting(db: sqlite3.Connection, batch: _common.Batch) -> list[Row]:
+        """Rows of ``batch`` that were not inserted because their key holds another body.
+
+        Only asked when some row was not inserted (a redelivery, rare): the rows just
+        inserted compare equal to themselves, so every row of the batch is looked up."""
+        found = []
+        for row in batch.rows:
+            stored = db.execute(
+                "SELECT body FROM messages WHERE device = ? AND boot_id = ? AND seq = ?",
+                (row.device, row.boot_id, row.seq),
+            ).fetchone()
+            if stored is not None and bytes(stored[0]) != row.body:
+                found.append(row)
+        return found
 
     def quarantine(self, items: Sequence[Quarantined]) -> None:
         if not items:
