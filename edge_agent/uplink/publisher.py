@@ -43,6 +43,7 @@ from edge_agent.uplink.config import UplinkSection
 from edge_agent.uplink.outbox import Outbox, Session
 from wire.messages import (
     KINDS,
+    MAX_PAYLOAD_BYTES,
     DecisionMsg,
     Message,
     StateMsg,
@@ -586,6 +587,19 @@ class Uplink:
         if client is None:
             return
         for row in rows:
+            if len(row.payload) > MAX_PAYLOAD_BYTES:
+                # publish() never stores one (wire.decode caps it), but an outbox written by
+                # another build could hold one: the fleet's ingest would never get it (its
+                # Maximum Packet Size), so it is never sent, and counted.
+                self.invalid[row.kind] = self.invalid.get(row.kind, 0) + 1
+                self.last_error = (
+                    f"outbox row {row.id}: a {row.kind} payload of {len(row.payload)} bytes is "
+                    f"over the wire limit of {MAX_PAYLOAD_BYTES}; dropped unsent"
+                )
+                log.error("uplink: %s", self.last_error)
+                self._acks.append(row.id)
+                self._cursor = row.id
+                continue
             info = client.publish(row.topic, row.payload, qos=1)
             if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
                 # The connection is going down; on_disconnect follows and we resend later.
