@@ -32,7 +32,7 @@ from fleet.store import (
     Store,
     open_store,
 )
-from fleet.store.migrations import LATEST
+from fleet.store.migrations import LATEST, MIGRATIONS, pending
 from fleet.store.sqlite import SqliteStore
 from tests.pg import pg_url
 from tests.tcp_proxy import TcpProxy, target_of, via
@@ -217,7 +217,7 @@ def test_migrate_is_idempotent(backend: Backend) -> None:
     assert second.migrate() == LATEST
     first.close()
     second.close()
-    assert backend.sql("SELECT COUNT(*) FROM schema_version") == [(LATEST,)]
+    assert backend.sql("SELECT COUNT(*) FROM schema_version") == [(len(MIGRATIONS),)]
 
 
 def test_migrate_refuses_a_newer_schema(backend: Backend) -> None:
@@ -692,6 +692,49 @@ def test_a_boot_of_which_nothing_arrived_is_one_gap(store: Store) -> None:
     assert store.gaps("gw3") == [Gap("gw3", BOOT_A, 0, 3)]
     store.record_state("gw4", "plant1", state("gw4", "online", seq=0), T0)
     assert store.gaps("gw4") == []
+
+
+def _received_at(row: Row, received_ns: int) -> Row:
+    return Row(
+        row.device, row.site, row.kind, row.boot_id, row.seq, row.t_ns, row.body, received_ns
+    )
+
+
+def test_new_gaps_are_the_holes_behind_messages_received_in_the_window(
+    backend: Backend,
+) -> None:
+    store, other = backend.open(), backend.open()
+    try:
+        store.ingest([_received_at(telemetry("gw1", s), 100 + s) for s in range(5)])
+        store.ingest([_received_at(telemetry("gw1", s), 200 + s) for s in (10, 11, 12)])
+        # A head: a boot whose first messages never came.
+        store.ingest([_received_at(telemetry("gw2", s, boot=BOOT_B), 210) for s in (3, 4)])
+        assert store.record_new_gaps(0, 150, found_ns=1) == [], "nothing missing before 150"
+        found = store.record_new_gaps(150, 250, found_ns=2)
+        assert found == [Gap("gw1", BOOT_A, 5, 9), Gap("gw2", BOOT_B, 0, 2)]
+        # Recorded once: the same window again, or another worker's store, finds no news.
+        assert store.record_new_gaps(150, 250, found_ns=3) == []
+        assert other.record_new_gaps(0, 1_000, found_ns=3) == []
+        assert backend.sql("SELECT COUNT(*) FROM ingest_gaps") == [(2,)]
+        # A hole that filled before the audit is no gap; one behind a later message is.
+        store.ingest([_received_at(telemetry("gw1", 20), 300)])
+        store.ingest([_received_at(telemetry("gw1", s), 310) for s in range(13, 20)])
+        store.ingest([_received_at(telemetry("gw1", 30), 320)])
+        assert store.record_new_gaps(250, 400, found_ns=4) == [Gap("gw1", BOOT_A, 21, 29)]
+        # fleet gaps (the messages themselves) agrees.
+        assert store.gaps("gw1") == [Gap("gw1", BOOT_A, 5, 9), Gap("gw1", BOOT_A, 21, 29)]
+    finally:
+        store.close()
+        other.close()
+
+
+def test_migrations_pending_are_those_not_recorded_whatever_their_number() -> None:
+    # Versions are reserved ahead per branch: a database may hold 1, 2 and 5 before 3 lands.
+    assert [m.version for m in pending({1, 5})] == [
+        m.version for m in MIGRATIONS if m.version != 1 and m.version != 5
+    ]
+    assert pending({m.version for m in MIGRATIONS}) == []
+    assert [m.version for m in pending(set())] == [m.version for m in MIGRATIONS]
 
 
 # -- queries ---------------------------------------------------------------------------------

@@ -232,6 +232,38 @@ ORDER BY f.device, b.first_received_ns, f.boot_id, f.first_missing
 """  # noqa: S608 - constant fragments; values are bound parameters
 
 
+def holes_received_sql(param: str) -> str:
+    """Holes behind the data messages received in ``[since, until)``: each such message
+    whose seq - 1 is not stored is the upper edge of one; its lower edge is the highest
+    stored seq below it (none: the hole starts at 0). Two index lookups per message
+    received in the window (``(kind, received_ns)``, then the primary key), in the
+    database; the rows it returns are only the holes. ``param`` is the driver's
+    placeholder; bind ``(since, until)``."""
+    return f"""
+SELECT e.device, e.boot_id,
+       COALESCE((SELECT MAX(p.seq) FROM messages p
+                 WHERE p.device = e.device AND p.boot_id = e.boot_id AND p.seq < e.seq), -1) + 1,
+       e.seq - 1
+FROM messages e
+WHERE e.kind IN ('telemetry', 'decision', 'ota/status')
+  AND e.received_ns >= {param} AND e.received_ns < {param} AND e.seq > 0
+  AND NOT EXISTS (SELECT 1 FROM messages q
+                  WHERE q.device = e.device AND q.boot_id = e.boot_id AND q.seq = e.seq - 1)
+ORDER BY 1, 2, 3
+"""  # noqa: S608 - constant fragments; values are bound parameters
+
+
+#: Still missing (a hole can fill between the read and the write) and not yet recorded.
+HOLE_STILL_OPEN = (
+    "SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM messages WHERE device = ? AND boot_id = ? "
+    "AND seq BETWEEN ? AND ?)"
+)
+RECORD_HOLE = (
+    "INSERT INTO ingest_gaps (device, boot_id, first_missing, last_missing, found_ns) "
+    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (device, boot_id, first_missing) DO NOTHING"
+)
+
+
 def gap_rows(rows: Sequence[Sequence[Any]]) -> list[Gap]:
     return [Gap(str(r[0]), str(r[1]), int(r[2]), int(r[3])) for r in rows]
 

@@ -185,6 +185,16 @@ class Store(Protocol):
         """
         ...
 
+    def record_new_gaps(self, since_ns: int, until_ns: int, found_ns: int) -> list[Gap]:
+        """Find the holes behind the data messages received in ``[since_ns, until_ns)``,
+        record those still open in ``ingest_gaps`` and return the ones no one had recorded
+        (several workers may audit the same window: each hole is returned to one of them).
+
+        A hole is keyed by its first missing seq: one that shrank from below since it was
+        recorded (some of it arrived late) is a new hole.
+        """
+        ...
+
     def quarantined(self, *, limit: int = 100) -> list[Quarantined]:
         """The newest ``limit`` quarantined messages, newest first."""
         ...
