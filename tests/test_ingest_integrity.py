@@ -22,7 +22,9 @@ from typing import Any
 
 import msgspec
 import pytest
+from typer.testing import CliRunner
 
+from fleet.cli import app
 from fleet.ingest import IngestConfig, IngestStats, serve
 from fleet.ingest.gapwatch import GapWatch, gap_lines
 from fleet.store import Gap, Store
@@ -43,6 +45,7 @@ from tests.test_fleet_ingest import (
     telemetry,
     wait_until,
 )
+from tests.test_uplink_mqtt import _kill9, _spawn, _wait_line
 from wire import encode, topic
 
 
@@ -314,3 +317,48 @@ def test_two_workers_storing_out_of_order_report_no_gap(
     assert all(r.stored > 0 for r in results), [r.stored for r in results]
     assert sum(r.gaps for r in results) == 0
     assert all(store.gaps(d) == [] for d in boots)
+
+
+def test_fleet_gaps_reports_the_tail_of_a_killed_boot_the_broker_dropped(
+    tmp_path: Path, store_url: str, store: Store, device: str
+) -> None:
+    """The device numbered 40 decisions; the broker acked them all but kept only 10 for the
+    offline ingest, then the device was killed (its Last Will, made at connect, says 0
+    numbered, and was dropped too). Before: `fleet gaps` showed nothing for that boot.
+    Now the next boot's epitaph gives the fleet the count, and the tail is a gap."""
+    cid = f"w-{device}"
+    state_dir = tmp_path / "device"
+    with mosquitto(tmp_path / "broker", extra="max_queued_messages 10\n") as broker:
+        with make_worker(broker, store_url, cid) as first:
+            assert first.wait_ready(10)
+        killed = _spawn(state_dir, broker.port, 40, device=device, after_connect=True)
+        try:
+            old = _wait_line(killed, lambda o: o["event"] == "produced")["boot_id"]
+            _wait_line(killed, lambda o: o["event"] == "stats" and o["acked"] == 40)
+        finally:
+            _kill9(killed)
+        with make_worker(broker, store_url, cid) as worker:
+            wait_until(lambda: worker.stats.stored + worker.stats.states >= 10, 30, "the 10")
+            kept = stored_seqs(store, device)
+            assert kept == list(range(len(kept)))
+            assert len(kept) < 40
+            assert store.gaps(device) == [], "nothing tells the fleet the boot went on"
+            restarted = _spawn(state_dir, broker.port, 0, device=device)
+            try:
+                _wait_line(restarted, lambda o: o["event"] == "stats" and o.get("epitaphs") == 1)
+                wait_until(lambda: bool(store.gaps(device)), 30, "the epitaph stored")
+                restarted.send_signal(signal.SIGTERM)
+                _wait_line(restarted, lambda o: o["event"] == "stopped")
+            finally:
+                _kill9(restarted)
+    done = CliRunner().invoke(app, ["gaps", "--store", store_url, "--device", device, "--json"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout) == [
+        {
+            "device": device,
+            "boot_id": old,
+            "first_missing": len(kept),
+            "last_missing": 39,
+            "missing": 40 - len(kept),
+        }
+    ]

@@ -10,7 +10,9 @@ Data seqs start at 0 at every boot. State messages (the retained birth, a clean
 connect time and may never be sent, so it cannot own a number. Their ``seq`` is the
 device's watermark instead: how many data messages it had numbered when the message was
 made (0: none yet; 5: seqs 0..4 exist), so the fleet can report the missing head and tail
-of a boot as gaps, not only the holes between messages it has.
+of a boot as gaps, not only the holes between messages it has. The next boot of an agent
+also sends an ``offline`` state of the boot before it (not retained, made just before its
+own birth) with that boot's final count: the epitaph of a boot that was killed.
 
 Payloads are JSON (UTF-8). Unknown fields are rejected, types are exact (an int is not a
 string, a bool is not an int), numbers are finite (JSON has no NaN), sizes are capped
