@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import psycopg
 import pytest
 from typer.testing import CliRunner
 
@@ -56,15 +57,27 @@ def broker(tmp_path: Path) -> Iterator[Mosquitto]:
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh store: a SQLite file, or a PostgreSQL schema of this test's own (so its
+    migrations and rows never meet another test's, or another branch's code, in the
+    shared database), dropped afterwards."""
     if request.param == "sqlite":
-        return sqlite_url(tmp_path / "fleet.db")
-    return pg_url()
+        yield sqlite_url(tmp_path / "fleet.db")
+        return
+    base = pg_url()
+    schema = f"t_{uuid.uuid4().hex}"
+    with psycopg.connect(base, autocommit=True) as pg:
+        pg.execute(f"CREATE SCHEMA {schema}".encode())
+    try:
+        yield f"{base}{'&' if '?' in base else '?'}options=-csearch_path%3D{schema}"
+    finally:
+        with psycopg.connect(base, autocommit=True) as pg:
+            pg.execute(f"DROP SCHEMA {schema} CASCADE".encode())
 
 
 @pytest.fixture
 def device() -> str:
-    """A device name of this test alone (the PostgreSQL database is shared)."""
+    """A device name of this test alone."""
     return f"gw-{uuid.uuid4().hex[:8]}"
 
 
