@@ -162,6 +162,17 @@ def serve(
     ] = "",
     batch_max: Annotated[int, typer.Option(help="Messages per store transaction.")] = 500,
     batch_ms: Annotated[int, typer.Option(help="Longest wait to fill a batch (ms).")] = 50,
+    gap_grace: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            max=86_400,
+            help="A hole in a device's seqs is logged as a gap once it is this old (s).",
+        ),
+    ] = 30.0,
+    gap_check: Annotated[
+        float, typer.Option(min=0, max=3_600, help="How often to look for new gaps (s; 0: off).")
+    ] = 5.0,
     username: Annotated[str | None, typer.Option(help="MQTT user name.")] = None,
     password_env: Annotated[
         str, typer.Option(help="Environment variable holding the MQTT password.")
@@ -209,6 +220,8 @@ def serve(
             auto_register=auto_register,
             batch_max=batch_max,
             batch_ms=batch_ms,
+            gap_grace_s=gap_grace,
+            gap_check_s=gap_check,
             username=username,
             password=os.environ.get(password_env) if username else None,
             tls_ca=str(tls_ca) if tls_ca else None,
@@ -281,8 +294,10 @@ def serve(
         q = sum(s["quarantined"].values())
         err.print(
             f"worker {i}: received {s['received']}, stored {s['stored']}, duplicates "
-            f"{s['duplicates']}, quarantined {q}, batches {s['batches']}, dropped {s['dropped']} "
-            f"(redelivered), dropped QoS 0 {s['dropped_qos0']} (lost)",
+            f"{s['duplicates']}, conflicts {s['conflicts']} (quarantined), quarantined {q}, "
+            f"batches {s['batches']}, dropped {s['dropped']} (redelivered), dropped QoS 0 "
+            f"{s['dropped_qos0']} (lost), gaps {s['gaps']} ({s['gap_seqs']} messages never "
+            "arrived)",
             markup=False,
         )
 

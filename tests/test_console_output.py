@@ -33,7 +33,10 @@ def test_fleet_serve_summary_is_one_line_in_a_pipe(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     summary = [line for line in res.stderr.splitlines() if line.startswith("worker 0:")]
     assert len(summary) == 1, res.stderr
-    assert summary[0].endswith("dropped 0 (redelivered), dropped QoS 0 0 (lost)"), res.stderr
+    assert summary[0].endswith(
+        "dropped 0 (redelivered), dropped QoS 0 0 (lost), gaps 0 (0 messages never arrived)"
+    ), res.stderr
+    assert "duplicates 0, conflicts 0 (quarantined), quarantined 0" in summary[0]
 
 
 def test_ota_status_lines_and_table_are_not_wrapped_in_a_pipe(tmp_path: Path) -> None:

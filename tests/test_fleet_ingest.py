@@ -481,6 +481,32 @@ def _malformed(boot: str) -> list[tuple[str, str, bytes, str, str]]:
             "unknown field",
             "schema",
         ),
+        # msgspec alone let these through (last key won; NUL and depth inside `detail`).
+        (
+            "repeated_key",
+            t,
+            valid_json.replace(b'"seq": 10000', b'"seq": 1025, "seq": 10000'),
+            'duplicate key "seq"',
+            "schema",
+        ),
+        (
+            "detail_nul",
+            topic(SITE, "gw-1", "ota/status"),
+            encode(ota_status("gw-1", boot, 10_001)).replace(
+                b'"detail":{}', b'"detail":{"a":"\\u0000"}'
+            ),
+            "NUL character",
+            "schema",
+        ),
+        (
+            "detail_60000_deep",
+            topic(SITE, "gw-1", "ota/status"),
+            encode(ota_status("gw-1", boot, 10_002)).replace(
+                b'"detail":{}', b'"detail":{"a":' + b"[" * 60_000 + b"]" * 60_000 + b"}"
+            ),
+            "nested deeper than 32 levels",
+            "schema",
+        ),
     ]
     payloads = [c[2] for c in cases]
     assert len(set(payloads)) == len(payloads), "each case must be distinct"

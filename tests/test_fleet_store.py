@@ -32,7 +32,7 @@ from fleet.store import (
     Store,
     open_store,
 )
-from fleet.store.migrations import LATEST
+from fleet.store.migrations import LATEST, MIGRATIONS, pending
 from fleet.store.sqlite import SqliteStore
 from tests.pg import pg_schema_url, pg_url, private_schema
 from tests.tcp_proxy import TcpProxy, target_of, via
@@ -206,7 +206,7 @@ def test_migrate_is_idempotent(backend: Backend) -> None:
     assert second.migrate() == LATEST
     first.close()
     second.close()
-    assert backend.sql("SELECT COUNT(*) FROM schema_version") == [(LATEST,)]
+    assert backend.sql("SELECT COUNT(*) FROM schema_version") == [(len(MIGRATIONS),)]
 
 
 def test_migrate_refuses_a_newer_schema(backend: Backend) -> None:
@@ -250,6 +250,86 @@ def test_ingest_counts_duplicates_within_and_across_batches(store: Store) -> Non
     # Bodies come back byte for byte and still decode.
     assert got[-1][3] == telemetry("gw1", 5).body
     assert decode("telemetry", got[-1][3]).seq == 5
+
+
+def _other_body(row: Row, mean: float) -> Row:
+    """``row`` with the same key and a different (valid) body: a conflicting message."""
+    msg = decode("telemetry", row.body)
+    assert isinstance(msg, TelemetryMsg)
+    body = encode(
+        TelemetryMsg(
+            device=msg.device,
+            boot_id=msg.boot_id,
+            seq=msg.seq,
+            t_ns=msg.t_ns,
+            period_ns=msg.period_ns,
+            keyframe=msg.keyframe,
+            signals={"rpm": SignalStats(mean, 0.0, 9e9, mean, 1)},
+        )
+    )
+    return Row(row.device, row.site, row.kind, row.boot_id, row.seq, row.t_ns, body, 7)
+
+
+def _conflict_stores(backend: Backend) -> list[Store]:
+    """The backend's store, and on PostgreSQL its ``executemany`` insert mode too (the
+    conflict check differs: a join on the COPY's temp table, or arrays of keys and bodies)."""
+    stores = [backend.open()]
+    if backend.name == "postgresql":
+        from fleet.store.postgres import PostgresStore  # noqa: PLC0415 - needs psycopg
+
+        stores.append(PostgresStore(backend.url, insert_mode="executemany"))
+    return stores
+
+
+def test_another_body_under_a_stored_key_is_a_conflict_quarantined_first_kept(
+    backend: Backend,
+) -> None:
+    # Before: counted as a duplicate and the second body dropped without a trace.
+    for n, store in enumerate(_conflict_stores(backend)):
+        dev = f"gw{n}"
+        try:
+            first = [telemetry(dev, s) for s in (1, 2, 3)]
+            assert store.ingest(first) == IngestResult(inserted=3, duplicates=0)
+            forged = _other_body(first[1], 42.0)
+            # The same bytes again: a duplicate. Other bytes: a conflict. New seq: stored.
+            result = store.ingest([first[0], forged, telemetry(dev, 4)])
+            assert result == IngestResult(inserted=1, duplicates=1, conflicts=1)
+            bodies = {seq: body for _, seq, _, body in store.telemetry(dev, limit=10)}
+            assert bodies[2] == first[1].body, "the first body stays"
+            held = [q for q in store.quarantined(limit=100) if q.device == dev]
+            assert len(held) == 1
+            q = held[0]
+            assert q.reason.startswith("conflict: seq 2 of boot " + BOOT_A)
+            assert q.payload == forged.body
+            assert q.topic == f"edgefleet/v1/plant1/{dev}/telemetry"
+            assert (q.where, q.received_ns) == ("$", 7)
+        finally:
+            store.close()
+
+
+def test_two_bodies_of_one_key_in_one_batch_keep_the_first_and_quarantine_the_other(
+    backend: Backend,
+) -> None:
+    for n, store in enumerate(_conflict_stores(backend)):
+        dev = f"gw{n}"
+        try:
+            row = telemetry(dev, 5)
+            other = _other_body(row, 1.0)
+            batch = [row, other, row, telemetry(dev, 6), _other_body(row, 2.0)]
+            assert store.ingest(batch) == IngestResult(inserted=2, duplicates=1, conflicts=2)
+            assert [b for _, s, _, b in store.telemetry(dev) if s == 5] == [row.body]
+            # Arrival order decides, not the bytes: the conflicting body first is kept.
+            late = telemetry(dev, 7)
+            assert store.ingest([_other_body(late, 3.0), late]) == IngestResult(1, 0, 1)
+            assert [b for _, s, _, b in store.telemetry(dev) if s == 7] == [
+                _other_body(late, 3.0).body
+            ]
+            held = [q for q in store.quarantined(limit=100) if q.device == dev]
+            assert sorted(q.payload for q in held) == sorted(
+                [other.body, _other_body(row, 2.0).body, late.body]
+            )
+        finally:
+            store.close()
 
 
 def test_ping_answers_on_both_backends_and_fails_on_a_closed_sqlite(store: Store) -> None:
@@ -601,6 +681,49 @@ def test_a_boot_of_which_nothing_arrived_is_one_gap(store: Store) -> None:
     assert store.gaps("gw3") == [Gap("gw3", BOOT_A, 0, 3)]
     store.record_state("gw4", "plant1", state("gw4", "online", seq=0), T0)
     assert store.gaps("gw4") == []
+
+
+def _received_at(row: Row, received_ns: int) -> Row:
+    return Row(
+        row.device, row.site, row.kind, row.boot_id, row.seq, row.t_ns, row.body, received_ns
+    )
+
+
+def test_new_gaps_are_the_holes_behind_messages_received_in_the_window(
+    backend: Backend,
+) -> None:
+    store, other = backend.open(), backend.open()
+    try:
+        store.ingest([_received_at(telemetry("gw1", s), 100 + s) for s in range(5)])
+        store.ingest([_received_at(telemetry("gw1", s), 200 + s) for s in (10, 11, 12)])
+        # A head: a boot whose first messages never came.
+        store.ingest([_received_at(telemetry("gw2", s, boot=BOOT_B), 210) for s in (3, 4)])
+        assert store.record_new_gaps(0, 150, found_ns=1) == [], "nothing missing before 150"
+        found = store.record_new_gaps(150, 250, found_ns=2)
+        assert found == [Gap("gw1", BOOT_A, 5, 9), Gap("gw2", BOOT_B, 0, 2)]
+        # Recorded once: the same window again, or another worker's store, finds no news.
+        assert store.record_new_gaps(150, 250, found_ns=3) == []
+        assert other.record_new_gaps(0, 1_000, found_ns=3) == []
+        assert backend.sql("SELECT COUNT(*) FROM ingest_gaps") == [(2,)]
+        # A hole that filled before the audit is no gap; one behind a later message is.
+        store.ingest([_received_at(telemetry("gw1", 20), 300)])
+        store.ingest([_received_at(telemetry("gw1", s), 310) for s in range(13, 20)])
+        store.ingest([_received_at(telemetry("gw1", 30), 320)])
+        assert store.record_new_gaps(250, 400, found_ns=4) == [Gap("gw1", BOOT_A, 21, 29)]
+        # fleet gaps (the messages themselves) agrees.
+        assert store.gaps("gw1") == [Gap("gw1", BOOT_A, 5, 9), Gap("gw1", BOOT_A, 21, 29)]
+    finally:
+        store.close()
+        other.close()
+
+
+def test_migrations_pending_are_those_not_recorded_whatever_their_number() -> None:
+    # Versions are reserved ahead per branch: a database may hold 1, 2 and 5 before 3 lands.
+    assert [m.version for m in pending({1, 5})] == [
+        m.version for m in MIGRATIONS if m.version != 1 and m.version != 5
+    ]
+    assert pending({m.version for m in MIGRATIONS}) == []
+    assert [m.version for m in pending(set())] == [m.version for m in MIGRATIONS]
 
 
 # -- queries ---------------------------------------------------------------------------------

@@ -276,7 +276,7 @@ def _spawn(state_dir: Path, port: int, count: int, **kw: Any) -> subprocess.Pope
         str(count),
     ]
     for k, v in kw.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
+        args += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     return subprocess.Popen(
         args, cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": "."}
     )
@@ -598,3 +598,39 @@ def test_mutual_tls(tmp_path: Path) -> None:
         assert [d.seq for d in sub.of("decision")] == list(range(5))
         assert no_cert.stats()["connected"] is False
         assert no_cert.stats()["last_error"]
+
+
+def test_the_next_boot_tells_the_fleet_how_many_seqs_a_killed_boot_numbered(
+    tmp_path: Path,
+) -> None:
+    """A killed boot's Last Will carries the watermark of its last connect (or there is no
+    will at all): the fleet could not see a tail the broker dropped. The next boot sends
+    the killed boot's final count (an epitaph) before its own birth, once."""
+    state = tmp_path / "state"
+    killed = uplink(section(free_port()), state)  # no broker there: it never connects
+    for i in range(5):
+        assert killed.publish_decision(make_decision(i))
+    old = killed.session.boot_id
+    killed.outbox.close()  # kill -9: no clean stop, no offline
+    with mosquitto(tmp_path / "broker") as broker, subscriber(broker.port) as sub:
+        for run in range(2):
+            up = uplink(section(broker.port), state)
+
+            async def main(up: Uplink = up) -> None:
+                task = asyncio.create_task(up.run())
+                await until(lambda: up.stats()["outbox_rows"] == 0, 10, "the backlog sent")
+                await stop(task)
+
+            asyncio.run(main())
+            sub.wait(lambda: len(sub.unique_decisions()) == 5, 10, "the killed boot's rows")
+            sub.wait(lambda: sub.states()[-1][0].state == "offline", 5, "the clean offline")
+            assert up.stats()["epitaphs"] == (1 if run == 0 else 0)
+        states = [s for s, _ in sub.states()]
+        epitaphs = [s for s in states if s.boot_id == old]
+        assert len(epitaphs) == 1, "acknowledged once, never sent again"
+        (epitaph,) = epitaphs
+        assert (epitaph.state, epitaph.clean, epitaph.seq) == ("offline", False, 5)
+        birth = states[states.index(epitaph) + 1]
+        assert birth.state == "online"
+        assert birth.boot_id != old
+        assert epitaph.t_ns < birth.t_ns, "older than the birth: it never marks it offline"

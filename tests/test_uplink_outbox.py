@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from pydantic import ValidationError
 
 from edge_agent.uplink.config import UplinkSection
 from edge_agent.uplink.errors import OutboxError
-from edge_agent.uplink.outbox import Outbox, Session
+from edge_agent.uplink.outbox import MAX_PREVIOUS_BOOTS, Outbox, Session
 
 T = "edgefleet/v1/s/d/telemetry"
 D = "edgefleet/v1/s/d/decision"
@@ -112,6 +113,65 @@ def test_message_over_its_own_cap_is_refused_and_the_backlog_kept(tmp_path: Path
     # A decision over max_bytes but within the hard cap is still kept (telemetry goes first).
     assert ob.put("decision", D, b"d" * (12_000 - len(D)), 10)
     assert [r.seq for r in ob.peek(0, 100)] == [5, 6, 7, 10]
+
+
+def test_each_boot_remembers_how_many_seqs_it_numbered_until_the_fleet_was_told(
+    tmp_path: Path,
+) -> None:
+    """What a killed boot numbered last is known at the next start (its epitaph's watermark),
+    also when its last message was dropped by the outbox's cap or its rows were all acked."""
+    path = tmp_path / "o.db"
+    clock = iter(range(1, 1000)).__next__
+    a = Outbox(path, boot_id="a" * 32, max_bytes=10_000, reserve_bytes=0, clock_ns=clock)
+    for i in range(3):
+        assert a.put("decision", D, b"x", i)
+    assert a.ack([r.id for r in a.peek(0, 10)]) == 3
+    assert not a.put("decision", D, b"y" * 20_000, 3)  # over its cap: seq 3 numbered, lost
+    assert a.previous_boots() == []
+    a.close()  # killed: no clean stop
+    b = Outbox(path, boot_id="b" * 32, clock_ns=clock)
+    assert b.previous_boots() == [("a" * 32, 4, False)]
+    b.stopped_clean()
+    b.close()  # b numbered nothing: no tail to tell, forgotten at the next start
+    c = Outbox(path, boot_id="c" * 32, clock_ns=clock)
+    assert c.previous_boots() == [("a" * 32, 4, False)]
+    c.forget_boot("a" * 32)
+    assert c.put("telemetry", T, b"t", 0)
+    c.stopped_clean()
+    c.close()
+    d = Outbox(path, boot_id="d" * 32, clock_ns=clock)
+    assert d.previous_boots() == [("c" * 32, 1, True)]
+    d.close()
+
+
+def test_previous_boots_are_bounded(tmp_path: Path) -> None:
+    path = tmp_path / "o.db"
+    for n in range(MAX_PREVIOUS_BOOTS + 5):
+        ob = Outbox(path, boot_id=f"{n:032x}", clock_ns=itertools.repeat(n).__next__)
+        assert ob.put("decision", D, b"x", 0)
+        ob.close()
+    last = Outbox(path, boot_id="f" * 32, clock_ns=lambda: 10_000)
+    kept = [b for b, _, _ in last.previous_boots()]
+    assert kept == [f"{n:032x}" for n in range(5, MAX_PREVIOUS_BOOTS + 5)]
+
+
+def test_an_outbox_of_the_first_schema_is_upgraded_with_its_rows(tmp_path: Path) -> None:
+    path = tmp_path / "o.db"
+    conn = sqlite3.connect(path)
+    conn.execute(
+        "CREATE TABLE outbox (id INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, "
+        "topic TEXT NOT NULL, payload BLOB NOT NULL, boot_id TEXT NOT NULL, "
+        "seq INTEGER NOT NULL, bytes INTEGER NOT NULL, t_ns INTEGER NOT NULL)"
+    )
+    conn.execute("INSERT INTO outbox VALUES (1, 'decision', ?, x'78', ?, 7, 1, 1)", (D, "e" * 32))
+    conn.execute("PRAGMA user_version=1")
+    conn.commit()
+    conn.close()
+    ob = Outbox(path, boot_id="a" * 32)
+    assert [(r.boot_id, r.seq) for r in ob.peek(0, 10)] == [("e" * 32, 7)]
+    assert ob.previous_boots() == []  # what v1 numbered is unknown; its rows still go out
+    assert ob.put("decision", D, b"x", 0)
+    ob.close()
 
 
 def test_newer_schema_is_refused(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 ``python -m tests.uplink_device_proc --state-dir D --port P --count N [--rate R]``
 
-Produces N decisions (R per second; 0: at once), then prints one JSON line
+Produces N decisions (R per second; 0: at once; with ``--after-connect`` only once the
+uplink is connected), then prints one JSON line
 ``{"event": "produced", "boot_id": ..., "n": N}`` once they are committed to the outbox, then
 a ``{"event": "stats", ...}`` line every 0.2 s. SIGTERM stops it cleanly (clean ``offline``);
 tests SIGKILL it to see what survives.
@@ -76,6 +77,8 @@ async def _main(args: argparse.Namespace) -> None:
     task = asyncio.create_task(up.run(), name="uplink")
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    while args.after_connect and not up.stats()["connected"]:  # noqa: ASYNC110 - no event
+        await asyncio.sleep(0.01)  # the birth (and the Last Will) then carry watermark 0
     for i in range(args.count):
         up.publish_decision(make_decision(i))
         if args.rate > 0:
@@ -99,6 +102,7 @@ def main() -> None:
     p.add_argument("--count", type=int, default=0)
     p.add_argument("--rate", type=float, default=0.0)
     p.add_argument("--replay-rate", type=float, default=1000.0)
+    p.add_argument("--after-connect", action="store_true", help="produce once connected")
     asyncio.run(_main(p.parse_args()))
 
 

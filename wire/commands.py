@@ -12,7 +12,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from wire.messages import Name, WireError
+from wire.jsonscan import scan
+from wire.messages import MAX_DEPTH, Name, WireError
 
 #: An offer is a URL and a few numbers.
 MAX_COMMAND_BYTES = 4096
@@ -47,6 +48,12 @@ def decode_command(payload: bytes) -> OtaCommand:
         raise WireError(reason, where.rstrip("`") if where else "$") from None
     except msgspec.DecodeError as exc:
         raise WireError(f"not a JSON object: {exc}") from None
+    if _ENCODER.encode(cmd) != payload:
+        # Not the fleet's own bytes: make sure no key was given twice (msgspec keeps the
+        # last), as the ingest does for uplink messages (wire.messages.decode).
+        found = scan(payload, max_depth=MAX_DEPTH)
+        if found is not None:
+            raise WireError(*found)
     if cmd.action == "install" and cmd.url is None:
         raise WireError("an install offer needs a url", "$.url")
     return cmd

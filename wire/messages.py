@@ -10,11 +10,16 @@ Data seqs start at 0 at every boot. State messages (the retained birth, a clean
 connect time and may never be sent, so it cannot own a number. Their ``seq`` is the
 device's watermark instead: how many data messages it had numbered when the message was
 made (0: none yet; 5: seqs 0..4 exist), so the fleet can report the missing head and tail
-of a boot as gaps, not only the holes between messages it has.
+of a boot as gaps, not only the holes between messages it has. The next boot of an agent
+also sends an ``offline`` state of the boot before it (not retained, made just before its
+own birth) with that boot's final count: the epitaph of a boot that was killed.
 
 Payloads are JSON (UTF-8). Unknown fields are rejected, types are exact (an int is not a
 string, a bool is not an int), numbers are finite (JSON has no NaN), sizes are capped
-before parsing. :func:`decode` turns every problem into :class:`WireError` naming where.
+before parsing, no object repeats a key (msgspec would keep the last one silently), no
+text anywhere holds NUL (PostgreSQL text cannot, SQLite could: the stores must agree), and
+no value is nested deeper than :data:`MAX_DEPTH` levels (the free-form ``detail``).
+:func:`decode` turns every problem into :class:`WireError` naming where.
 """
 
 from __future__ import annotations
@@ -24,8 +29,14 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from wire.jsonscan import printable, scan
+
 #: Refused before parsing. A 1 s telemetry aggregate of 64 signals is ~5 KB; a decision ~1 KB.
 MAX_PAYLOAD_BYTES = 256 * 1024
+#: Deepest nesting of a payload (the top-level object is level 1). The schema's own fields
+#: reach 5 (telemetry's ``more``); only the free-form ``detail`` could go deeper, and
+#: msgspec's parser recurses per level (60,000 levels raised RecursionError).
+MAX_DEPTH = 32
 
 _NAME_PATTERN = r"^[A-Za-z0-9_.:\-]{1,128}$"
 Name = Annotated[str, msgspec.Meta(pattern=_NAME_PATTERN)]
@@ -40,9 +51,14 @@ ShortText = Annotated[str, msgspec.Meta(max_length=128, pattern=_NO_NUL)]
 
 
 class WireError(ValueError):
-    """A payload that does not fit the contract. ``where`` is a JSON path (``$.seq``)."""
+    """A payload that does not fit the contract. ``where`` is a JSON path (``$.seq``).
+
+    Both are printable: a NUL or control character quoted from the input (an unknown
+    field's name) is escaped, so the reason can go into any store and any log line.
+    """
 
     def __init__(self, reason: str, where: str = "$") -> None:
+        reason, where = printable(reason), printable(where)
         super().__init__(f"{reason} (at {where})" if where != "$" else reason)
         self.reason = reason
         self.where = where
@@ -216,14 +232,30 @@ def _names_ok(names: Any) -> bool:
     return True
 
 
-def _decode_telemetry_fast(payload: bytes) -> TelemetryMsg | None:
-    """The message, or None when the strict decoder must decide (and say why)."""
+def _telemetry_keys_unique(m: _TelemetryKeysUnchecked, payload: bytes) -> bool:
+    """True when ``payload`` provably repeats no key (False: let the scan decide).
+
+    Every key and every string value is one JSON string with exactly two unescaped quotes.
+    A telemetry message's strings are its 7 required keys (8 with a non-empty ``more``),
+    ``device`` and ``boot_id`` and the signal names (none may hold a quote), so a payload
+    with exactly twice as many quote bytes has no string token the decoder dropped: no
+    repeated key. A fraction of the cost of encoding the message again to compare."""
+    strings = 9 + len(m.signals)
+    if m.more:
+        strings += 1 + sum(len(p.signals) for p in m.more)
+    return payload.count(b'"') == 2 * strings
+
+
+def _decode_telemetry_fast(payload: bytes) -> tuple[TelemetryMsg, bool] | None:
+    """The message and whether its keys are known to be unique, or None when the strict
+    decoder must decide (and say why)."""
     try:
         m = _TELEMETRY_FAST.decode(payload)
     except msgspec.DecodeError:  # ValidationError too
         return None
     if not _names_ok(m.signals) or not all(_names_ok(p.signals) for p in m.more):
         return None
+    unique = _telemetry_keys_unique(m, payload)
     return TelemetryMsg(
         device=m.device,
         boot_id=m.boot_id,
@@ -233,31 +265,70 @@ def _decode_telemetry_fast(payload: bytes) -> TelemetryMsg | None:
         keyframe=m.keyframe,
         signals=m.signals,
         more=[TelemetryPeriod(p.t_ns, p.keyframe, p.signals) for p in m.more],
-    )
+    ), unique
 
 
 _ENCODER = msgspec.json.Encoder()
+
+
+#: msgspec's words for a string refused by the ``_NO_NUL`` pattern, and ours.
+_NUL_PATTERN_TEXT = f"Expected `str` matching regex {_NO_NUL!r}"
+_NUL_REASON = "text holds a NUL character (\\u0000)"
+
+
+def _unchecked_by_msgspec(msg: Message, payload: bytes) -> None:
+    """Refuse what msgspec accepted but the contract does not: a repeated key, a value
+    nested deeper than MAX_DEPTH, NUL in free-form text. Raises WireError.
+
+    The scan (pure Python) runs only when a cheap test says it may find something, so the
+    agent's own messages pay one encode and a compare (~1 us for a telemetry message):
+
+    * repeated keys: the payload is not byte for byte what :func:`encode` makes of the
+      decoded message (which never repeats a key); the agent sends exactly that;
+    * depth and NUL, possible only in ``OtaStatusMsg.detail`` (every other field has a
+      fixed shape and a pattern): more brackets than MAX_DEPTH, or ``\\u0000`` anywhere.
+    """
+    suspect = _ENCODER.encode(msg) != payload
+    if not suspect and type(msg) is OtaStatusMsg:
+        brackets = payload.count(b"{") + payload.count(b"[")
+        suspect = brackets > MAX_DEPTH or b"\\u0000" in payload
+    if suspect:
+        found = scan(payload, max_depth=MAX_DEPTH)
+        if found is not None:
+            raise WireError(*found)
 
 
 def decode(kind: str, payload: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> Message:
     """Parse and check ``payload`` as a message of topic kind ``kind``. Raises WireError."""
     if len(payload) > max_bytes:
         raise WireError(f"payload is {len(payload)} bytes; expected at most {max_bytes}")
+    msg: Message | None = None
     if kind == "telemetry":
         fast = _decode_telemetry_fast(payload)
         if fast is not None:
-            return fast
-    decoder = _DECODERS.get(kind)
-    if decoder is None:
-        raise WireError(f"unknown message kind {kind!r}; expected one of {', '.join(KINDS)}")
-    try:
-        msg: Message = decoder.decode(payload)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        reason, _, where = text.partition(" - at `")
-        raise WireError(reason, where.rstrip("`") if where else "$") from None
-    except msgspec.DecodeError as exc:
-        raise WireError(f"not a JSON object: {exc}") from None
+            msg, unique = fast
+            if unique:
+                return msg  # no free-form field, so no depth or NUL left to check
+    if msg is None:
+        decoder = _DECODERS.get(kind)
+        if decoder is None:
+            raise WireError(f"unknown message kind {kind!r}; expected one of {', '.join(KINDS)}")
+        try:
+            msg = decoder.decode(payload)
+        except msgspec.ValidationError as exc:
+            text = str(exc)
+            reason, _, where = text.partition(" - at `")
+            if reason == _NUL_PATTERN_TEXT:
+                reason = _NUL_REASON
+            raise WireError(reason, where.rstrip("`") if where else "$") from None
+        except msgspec.DecodeError as exc:
+            raise WireError(f"not a JSON object: {exc}") from None
+        except RecursionError:
+            # Only a free-form value can nest this deep (a typed field fails at its first
+            # wrong token); the scan stops at level MAX_DEPTH + 1 and names it.
+            found = scan(payload, max_depth=MAX_DEPTH)
+            raise WireError(*(found or (f"nested deeper than {MAX_DEPTH} levels", "$"))) from None
+    _unchecked_by_msgspec(msg, payload)
     return msg
 
 

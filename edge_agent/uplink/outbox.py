@@ -25,6 +25,11 @@ A file SQLite says is not a database (or malformed) at start is moved aside to
 
 Every drop is counted per kind (:meth:`Outbox.stats`). Rows are sent in ``id`` order, which
 keeps the order per topic (and across topics) as produced.
+
+The ``boots`` table keeps how many seqs each boot numbered (updated in the same transaction
+as each row) until the uplink has told the fleet the previous boots' final count
+(:meth:`Outbox.previous_boots`): after a crash, that is how the fleet learns the tail of a
+boot it may never have received.
 """
 
 from __future__ import annotations
@@ -43,10 +48,15 @@ from edge_agent.uplink.errors import OutboxError
 
 log = logging.getLogger(__name__)
 
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2
+#: Previous boots kept for their epitaph (see :meth:`Outbox.previous_boots`).
+MAX_PREVIOUS_BOOTS = 16
 _BUSY_TIMEOUT_S = 5.0
 #: The kind dropped first when the outbox is over ``max_bytes``.
 DROPPABLE = "telemetry"
+
+
+_NUMBERED = "UPDATE boots SET next_seq = MAX(next_seq, ?) WHERE boot_id = ?"
 
 
 class OutboxRow(NamedTuple):
@@ -129,6 +139,30 @@ class Outbox:
         except OSError as exc:
             raise OutboxError(f"{self.path}: cannot open the outbox: {exc}") from exc
         self._rows, self._bytes, self._droppable_bytes = int(row[0]), int(row[1]), int(row[2])
+        try:
+            self._start_boot()
+        except sqlite3.Error as exc:
+            raise OutboxError(f"{self.path}: cannot record this boot: {exc}") from exc
+
+    def _start_boot(self) -> None:
+        """Record this boot; forget earlier ones that numbered nothing (no tail to lose)
+        and all but the newest MAX_PREVIOUS_BOOTS others."""
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            self._conn.execute("DELETE FROM boots WHERE next_seq = 0")
+            self._conn.execute(
+                "DELETE FROM boots WHERE boot_id NOT IN "
+                "(SELECT boot_id FROM boots ORDER BY started_ns DESC LIMIT ?)",
+                (MAX_PREVIOUS_BOOTS,),
+            )
+            self._conn.execute(
+                "INSERT OR IGNORE INTO boots (boot_id, next_seq, started_ns) VALUES (?, 0, ?)",
+                (self.boot_id, self._clock_ns()),
+            )
+            self._conn.execute("COMMIT")
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
 
     def _open(self) -> tuple[int, int, int]:
         # check_same_thread=False: the uplink closes it from a worker thread at exit.
@@ -184,6 +218,12 @@ class Outbox:
         )
         # The telemetry trim walks this index instead of the whole table.
         self._conn.execute("CREATE INDEX IF NOT EXISTS outbox_kind ON outbox (kind, id)")
+        # v2: how many seqs each boot numbered, until the fleet was told (the epitaph).
+        self._conn.execute(
+            "CREATE TABLE IF NOT EXISTS boots ("
+            " boot_id TEXT PRIMARY KEY, next_seq INTEGER NOT NULL,"
+            " clean INTEGER NOT NULL DEFAULT 0, started_ns INTEGER NOT NULL)"
+        )
         self._conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
         self._conn.execute("COMMIT")
 
@@ -199,6 +239,7 @@ class Outbox:
         size = len(payload) + len(topic)
         cap = self.max_bytes if kind == DROPPABLE else self.hard_cap
         if size > cap:
+            self._numbered(seq)
             self.dropped[kind] = self.dropped.get(kind, 0) + 1
             self.last_error = f"outbox put: a {kind} message of {size} bytes is over its cap"
             log.error(
@@ -219,6 +260,7 @@ class Outbox:
                     (kind, topic, payload, self.boot_id, seq, size, self._clock_ns()),
                 )
                 new_id = cur.lastrowid
+                self._conn.execute(_NUMBERED, (seq + 1, self.boot_id))
                 rows, total, droppable = self._rows + 1, self._bytes + size, self._droppable_bytes
                 if kind == DROPPABLE:
                     droppable += size
@@ -261,6 +303,47 @@ class Outbox:
                 ", ".join(f"{n} {k}" for k, n in sorted(gone.items())),
             )
         return kept
+
+    def _numbered(self, seq: int) -> None:
+        """Record that this boot numbered ``seq`` although the message was not stored."""
+        try:
+            self._conn.execute(_NUMBERED, (seq + 1, self.boot_id))
+        except sqlite3.Error as exc:
+            self.last_error = f"outbox boots: {exc}"
+
+    def previous_boots(self) -> list[tuple[str, int, bool]]:
+        """``(boot_id, seqs numbered, stopped cleanly)`` of earlier boots the fleet may not
+        know the end of, oldest first. The uplink tells the fleet (an epitaph: a state
+        message of that boot with its final watermark) and then :meth:`forget_boot`.
+
+        A boot killed or cut off from the broker ends with a Last Will made at its last
+        connect, or with nothing; what it numbered after that, if the broker dropped it on
+        the way to the ingest, would be a hole no one could see: the tail of that boot.
+        ``[]`` on an I/O error (the epitaph waits for the next start)."""
+        try:
+            rows = self._conn.execute(
+                "SELECT boot_id, next_seq, clean FROM boots WHERE boot_id != ? AND next_seq > 0"
+                " ORDER BY started_ns",
+                (self.boot_id,),
+            ).fetchall()
+        except sqlite3.Error as exc:
+            self.last_error = f"outbox boots: {exc}"
+            return []
+        return [(str(b), int(n), bool(c)) for b, n, c in rows]
+
+    def forget_boot(self, boot_id: str) -> None:
+        """The fleet has the epitaph of ``boot_id`` (its broker acknowledged it)."""
+        try:
+            self._conn.execute("DELETE FROM boots WHERE boot_id = ?", (boot_id,))
+        except sqlite3.Error as exc:
+            self.last_error = f"outbox boots: {exc}"
+
+    def stopped_clean(self) -> None:
+        """This boot stops cleanly (its epitaph will say ``clean``)."""
+        try:
+            self._conn.execute("UPDATE boots SET clean = 1 WHERE boot_id = ?", (self.boot_id,))
+        except sqlite3.Error as exc:
+            self.last_error = f"outbox boots: {exc}"
 
     def _oldest(self, kind: str | None) -> Iterable[tuple[int, str, int]]:
         """Oldest rows (of ``kind``, or of any kind), in pages, for the trim loops."""

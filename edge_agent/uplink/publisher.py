@@ -43,6 +43,7 @@ from edge_agent.uplink.config import UplinkSection
 from edge_agent.uplink.outbox import Outbox, Session
 from wire.messages import (
     KINDS,
+    MAX_PAYLOAD_BYTES,
     DecisionMsg,
     Message,
     StateMsg,
@@ -147,6 +148,7 @@ class Uplink:
         self._connecting: asyncio.Future[Any] | None = None
         self._connected = False
         self._inflight: dict[int, tuple[int, str]] = {}  # mid -> (row id, kind)
+        self._epitaphs: dict[int, str] = {}  # mid -> the earlier boot it ends
         self._acks: list[int] = []
         self._cursor = 0
         self._bucket = _TokenBucket(
@@ -172,6 +174,8 @@ class Uplink:
         self.disconnects = 0
         self.commands = 0
         self.command_errors = 0
+        #: Earlier boots whose final watermark the broker acknowledged (see _publish_epitaphs).
+        self.epitaphs = 0
         self.last_error: str | None = None
         self.socket_priority: int | None = None
         self._prio_warned = False
@@ -263,6 +267,7 @@ class Uplink:
             "disconnects": self.disconnects,
             "commands": self.commands,
             "command_errors": self.command_errors,
+            "epitaphs": self.epitaphs,
             "socket_priority": self.socket_priority,
             "last_error": self.last_error or ob["last_error"],
         }
@@ -276,12 +281,22 @@ class Uplink:
         if client is not None and self._connected:
             client.publish(self.state_topic, self._state("online", clean=True), qos=1, retain=True)
 
-    def _state(self, state: str, clean: bool) -> bytes:
+    def _state(
+        self,
+        state: str,
+        clean: bool,
+        *,
+        boot: tuple[str, int] | None = None,
+        t_ns: int | None = None,
+    ) -> bytes:
+        """A state message of this boot, or with ``boot`` = ``(boot_id, watermark)`` of an
+        earlier one (its epitaph)."""
+        boot_id, watermark = boot or (self.session.boot_id, self.session.watermark)
         fields: dict[str, Any] = {
             "device": self.device,
-            "boot_id": self.session.boot_id,
-            "seq": self.session.watermark,
-            "t_ns": self.clock_ns(),
+            "boot_id": boot_id,
+            "seq": watermark,
+            "t_ns": self.clock_ns() if t_ns is None else t_ns,
             "state": state,
             "clean": clean,
             "site": self.site,
@@ -397,6 +412,10 @@ class Uplink:
             return  # a PUBACK of a connection we already gave up: its row is sent again
         entry = self._inflight.pop(mid, None)
         if entry is None:
+            ended = self._epitaphs.pop(mid, None)
+            if ended is not None and not failed and not nobody:
+                self.outbox.forget_boot(ended)
+                self.epitaphs += 1
             return  # a state message
         row_id, kind = entry
         if nobody:
@@ -527,9 +546,30 @@ class Uplink:
             self.session.boot_id,
             len(self.outbox),
         )
-        client.publish(self.state_topic, self._state("online", clean=True), qos=1, retain=True)
+        birth_t = self.clock_ns()
+        self._publish_epitaphs(client, birth_t - 1)
+        client.publish(
+            self.state_topic, self._state("online", clean=True, t_ns=birth_t), qos=1, retain=True
+        )
         client.subscribe(f"{self.root}/cmd/#", qos=1)
         return True
+
+    def _publish_epitaphs(self, client: mqtt.Client, t_ns: int) -> None:
+        """Tell the fleet how many seqs each earlier boot numbered: an ``offline`` state
+        message of that boot (not retained), made just before this boot's birth.
+
+        A boot that was killed or lost its broker ends with a Last Will made at its last
+        connect, or with nothing: what it numbered after that and the broker dropped on its
+        way to the ingest would be a tail no one could see. With this watermark ``fleet
+        gaps`` reports it. The fleet raises the old boot's watermark and, the message being
+        older than this birth, never lets it mark the device offline after the birth.
+        Sent again at every connect until the broker acknowledges it to a subscriber."""
+        self._epitaphs.clear()
+        for boot_id, numbered, clean in self.outbox.previous_boots():
+            payload = self._state("offline", clean=clean, boot=(boot_id, numbered), t_ns=t_ns)
+            info = client.publish(self.state_topic, payload, qos=1, retain=False)
+            if info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
+                self._epitaphs[info.mid] = boot_id
 
     def _failed(self, why: str) -> bool:
         self.connect_failures += 1
@@ -586,6 +626,19 @@ class Uplink:
         if client is None:
             return
         for row in rows:
+            if len(row.payload) > MAX_PAYLOAD_BYTES:
+                # publish() never stores one (wire.decode caps it), but an outbox written by
+                # another build could hold one: the fleet's ingest would never get it (its
+                # Maximum Packet Size), so it is never sent, and counted.
+                self.invalid[row.kind] = self.invalid.get(row.kind, 0) + 1
+                self.last_error = (
+                    f"outbox row {row.id}: a {row.kind} payload of {len(row.payload)} bytes is "
+                    f"over the wire limit of {MAX_PAYLOAD_BYTES}; dropped unsent"
+                )
+                log.error("uplink: %s", self.last_error)
+                self._acks.append(row.id)
+                self._cursor = row.id
+                continue
             info = client.publish(row.topic, row.payload, qos=1)
             if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
                 # The connection is going down; on_disconnect follows and we resend later.
@@ -618,6 +671,7 @@ class Uplink:
 
     async def _shutdown(self) -> None:
         self._stopping = True
+        self.outbox.stopped_clean()
         client = self._client
         if client is None or not self._connected:
             return

@@ -28,6 +28,8 @@ class BatchOutcome:
 
     inserted: int = 0
     duplicates: int = 0
+    #: Rows whose key was stored with another body: quarantined by the store as ``conflict``.
+    conflicts: int = 0
     states: int = 0
     #: Reason class -> messages quarantined.
     refused: dict[str, int] = field(default_factory=dict)
@@ -154,6 +156,7 @@ def process_batch(
     if rows:
         result = store.ingest(rows)
         out.inserted, out.duplicates = result.inserted, result.duplicates
+        out.conflicts = result.conflicts
     if refused:
         store.quarantine(refused)
     return out

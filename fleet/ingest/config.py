@@ -64,6 +64,11 @@ class IngestConfig:
     #: Write through a store process of its own (see :class:`StoreClient`); False writes
     #: from the writer thread (simpler, about half the throughput).
     store_process: bool = True
+    #: A hole in a device's seqs is reported (WARNING, ``gaps``) once it is this old: until
+    #: then the messages may still be on their way (see :mod:`fleet.ingest.gapwatch`).
+    gap_grace_s: float = 30.0
+    #: How often the worker audits the messages received since its last audit; 0: never.
+    gap_check_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch_max <= 100_000:
@@ -76,6 +81,10 @@ class IngestConfig:
             raise IngestError(f"full_wait_s {self.full_wait_s}: expected 0 < seconds <= 600")
         if not 0 < self.broker_port < 65_536:
             raise IngestError(f"broker port {self.broker_port}: expected 1..65535")
+        if not 0 <= self.gap_grace_s <= 86_400:
+            raise IngestError(f"gap_grace_s {self.gap_grace_s}: expected 0..86400 seconds")
+        if not 0 <= self.gap_check_s <= 3_600:
+            raise IngestError(f"gap_check_s {self.gap_check_s}: expected 0..3600 seconds")
 
     def __repr__(self) -> str:  # the password must never reach a log line
         shown = replace(self, password="***" if self.password else None)
@@ -89,7 +98,11 @@ class IngestStats:
 
     received: int = 0
     stored: int = 0
+    #: The same bytes under a key already stored (a redelivery): dropped.
     duplicates: int = 0
+    #: Other bytes under a key already stored: quarantined (reason ``conflict: ...``), the
+    #: first body kept. Not in ``quarantined``, which counts the checks' refusals.
+    conflicts: int = 0
     quarantined: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASON_CLASSES, 0))
     states: int = 0
     batches: int = 0
@@ -102,6 +115,10 @@ class IngestStats:
     discarded: int = 0
     store_retries: int = 0
     connects: int = 0
+    #: Holes found in devices' seqs while running (each logged at WARNING), and the seqs
+    #: they miss: messages a broker dropped for the ingest (or a device never sent).
+    gaps: int = 0
+    gap_seqs: int = 0
     last_error: str | None = None
     #: UNIX ns of the first message received and of the last batch committed (rates).
     first_received_ns: int | None = None
@@ -113,9 +130,11 @@ class IngestStats:
         return d
 
     def add(self, other: IngestStats) -> None:
-        for name in ("received", "stored", "duplicates", "states", "batches", "acked"):
+        for name in ("received", "stored", "duplicates", "conflicts", "states", "batches"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("dropped", "dropped_qos0", "discarded", "store_retries", "connects"):
+        for name in ("acked", "dropped", "dropped_qos0", "discarded", "store_retries", "connects"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("gaps", "gap_seqs"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, v in other.quarantined.items():
             self.quarantined[k] = self.quarantined.get(k, 0) + v

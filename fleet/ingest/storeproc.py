@@ -12,7 +12,7 @@ from typing import Protocol
 
 from fleet.errors import FleetStoreError, StoreRefused
 from fleet.ingest.checks import BatchOutcome, Incoming, process_batch
-from fleet.store import Quarantined, Store, open_store, redact_url
+from fleet.store import Gap, Quarantined, Store, open_store, redact_url
 
 
 class StoreOps(Protocol):
@@ -20,6 +20,7 @@ class StoreOps(Protocol):
 
     def process(self, items: Sequence[Incoming], *, auto_register: bool) -> BatchOutcome: ...
     def quarantine(self, items: Sequence[Quarantined]) -> None: ...
+    def new_gaps(self, since_ns: int, until_ns: int, now_ns: int) -> list[Gap]: ...
     def ping(self) -> None: ...
     def close(self) -> None: ...
 
@@ -36,6 +37,9 @@ class DirectStore:
 
     def quarantine(self, items: Sequence[Quarantined]) -> None:
         self._store.quarantine(items)
+
+    def new_gaps(self, since_ns: int, until_ns: int, now_ns: int) -> list[Gap]:
+        return self._store.record_new_gaps(since_ns, until_ns, now_ns)
 
     def ping(self) -> None:
         self._store.ping()
@@ -65,7 +69,7 @@ def _store_server(url: str, migrate: bool, conn: Connection) -> None:
             if request is None:
                 return
             method, args = request
-            if method not in ("batch", "quarantine", "ping"):
+            if method not in ("batch", "quarantine", "gaps", "ping"):
                 conn.send(("err", f"unknown store request {method!r}"))
                 continue
             try:
@@ -73,9 +77,19 @@ def _store_server(url: str, migrate: bool, conn: Connection) -> None:
                 if method == "batch":
                     items, auto = args
                     out = process_batch(store, items, known, auto_register=auto)
-                    result = (out.inserted, out.duplicates, out.states, out.refused, out.notes)
+                    result = (
+                        out.inserted,
+                        out.duplicates,
+                        out.conflicts,
+                        out.states,
+                        out.refused,
+                        out.notes,
+                    )
                 elif method == "ping":
                     store.ping()
+                elif method == "gaps":
+                    found = store.record_new_gaps(*args)
+                    result = [(g.device, g.boot_id, g.first_missing, g.last_missing) for g in found]
                 else:
                     store.quarantine([Quarantined(*t) for t in args])
             except StoreRefused as exc:  # the parent raises it again as a refusal
@@ -154,14 +168,21 @@ class StoreClient:
     def process(self, items: Sequence[Incoming], *, auto_register: bool) -> BatchOutcome:
         result = self._call("batch", (items, auto_register))
         assert isinstance(result, tuple)
-        inserted, duplicates, states, refused, notes = result
-        return BatchOutcome(int(inserted), int(duplicates), int(states), refused, notes)
+        inserted, duplicates, conflicts, states, refused, notes = result
+        return BatchOutcome(
+            int(inserted), int(duplicates), int(conflicts), int(states), refused, notes
+        )
 
     def quarantine(self, items: Sequence[Quarantined]) -> None:
         self._call(
             "quarantine",
             [(q.topic, q.payload, q.reason, q.where, q.received_ns, q.device) for q in items],
         )
+
+    def new_gaps(self, since_ns: int, until_ns: int, now_ns: int) -> list[Gap]:
+        result = self._call("gaps", (since_ns, until_ns, now_ns))
+        assert isinstance(result, list)
+        return [Gap(*g) for g in result]
 
     def ping(self) -> None:
         self._call("ping", None)

@@ -28,6 +28,7 @@ from fleet.ingest.config import (
     IngestStats,
     backoff_s,
 )
+from fleet.ingest.gapwatch import GapWatch, gap_lines
 from fleet.ingest.storeproc import DirectStore, StoreClient, StoreOps
 from fleet.store import Quarantined, open_store
 from fleet.store.base import QUARANTINE_PAYLOAD_MAX
@@ -70,6 +71,13 @@ class IngestWorker:
         self._start_error: BaseException | None = None
         self._logged: set[str] = set()
         self._queue_max = config.queue_max
+        self._gaps = (
+            GapWatch.starting(
+                time.time_ns(), grace_s=config.gap_grace_s, check_s=config.gap_check_s
+            )
+            if config.gap_check_s > 0
+            else None
+        )
         self._client = self._make_client()
 
     # --- MQTT side (paho's thread) -------------------------------------------------------
@@ -133,6 +141,8 @@ class IngestWorker:
                 # what still waits here from the old connection would only be stored twice.
                 self._discard_before = self._epoch
         self.stats.connects += 1
+        if self._gaps is not None:
+            self._gaps.connected(time.time_ns())
         client.subscribe([(t, 1) for t in shared_subscription(self.config.group)])
         log.info(
             "ingest %s connected to %s:%d (session present: %s)",
@@ -289,6 +299,8 @@ class IngestWorker:
         while True:
             if self._resync.is_set():
                 self._do_resync()
+            if self._gaps is not None:
+                self._audit_gaps(store, self._gaps)
             if self._acks and time.monotonic() - self._acks_since > ACK_FALLBACK_S:
                 self._flush_acks()
             if not inbox:
@@ -325,6 +337,27 @@ class IngestWorker:
             if batch:
                 self._commit_with_retry(store, batch)
 
+    def _audit_gaps(self, store: StoreOps, watch: GapWatch) -> None:
+        """Every ``gap_check_s``: ask the store for new holes behind the messages received
+        since the last audit (up to ``gap_grace_s`` ago), log and count each (see
+        :mod:`fleet.ingest.gapwatch`)."""
+        now = time.time_ns()
+        window = watch.due(now)
+        if window is None:
+            return
+        try:
+            found = store.new_gaps(*window, now)
+        except Exception as exc:  # noqa: BLE001 - the store is down: the next period retries
+            watch.audit_failed(now)
+            self._note(f"gaps:{type(exc).__name__}", f"gap audit failed: {exc}")
+            return
+        watch.audited(window[1], now)
+        if found:
+            self.stats.gaps += len(found)
+            self.stats.gap_seqs += sum(g.last_missing - g.first_missing + 1 for g in found)
+            for line in gap_lines(found, now, watch.connected_ns):
+                log.warning("ingest %s: %s", self.client_id, line)
+
     def _do_resync(self) -> None:
         self._resync.clear()
         self._note("dropped", "internal queue full: dropped unacked messages; reconnecting")
@@ -346,6 +379,8 @@ class IngestWorker:
             except Exception as exc:  # noqa: BLE001 - any store failure: retry, then split
                 failures += 1
                 self.stats.store_retries += 1
+                if self._gaps is not None:
+                    self._gaps.store_failed(time.time_ns())
                 self._note(f"store:{type(exc).__name__}", f"store failed a batch: {exc}")
                 error = exc
             # A refusal is the data's, not the moment's: no point retrying the same rows.
@@ -406,6 +441,9 @@ class IngestWorker:
         stats.last_commit_ns = time.time_ns()
         stats.stored += out.inserted
         stats.duplicates += out.duplicates
+        stats.conflicts += out.conflicts
+        if out.conflicts:
+            self._note("conflict", f"quarantined {out.conflicts} conflicting message(s)")
         stats.states += out.states
         for cls, n in out.refused.items():
             stats.quarantined[cls] = stats.quarantined.get(cls, 0) + n

@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from fleet.errors import FleetStoreError
-from fleet.store.base import DATA_KINDS, DeviceInfo, Gap, Row
+from fleet.store.base import DATA_KINDS, QUARANTINE_PAYLOAD_MAX, DeviceInfo, Gap, Row
+from wire.topics import topic
 
 
 class _DecisionBits(msgspec.Struct):
@@ -32,27 +33,47 @@ class Batch:
     """One ingest batch, prepared for the SQL of either backend.
 
     Rows are sorted by key so that concurrent workers take row locks in the same order (no
-    deadlock between two PostgreSQL transactions inserting overlapping batches).
+    deadlock between two PostgreSQL transactions inserting overlapping batches). A key
+    given twice in the batch is inserted once, from its first row (arrival order): the
+    later rows are ``repeats`` (the same bytes) or ``conflicts`` (other bytes).
     """
 
     messages: list[tuple[str, str, int, str, int, int, str | None, bytes]]
+    #: The Row of each entry of ``messages``, in the same order.
+    rows: list[Row]
     boots: list[tuple[str, str, int]]  # device, boot_id, first received_ns
     devices: list[tuple[str, str, int, int]]  # device, site, first received, last received
     latencies: list[tuple[str, str, int]]  # device, latency_json, t_ns of that decision
+    repeats: int = 0
+    conflicts: list[Row] = field(default_factory=list)
 
 
 def prepare(rows: Sequence[Row]) -> Batch:
     """Check and arrange ``rows``. Raises FleetStoreError naming the bad row."""
     messages = []
+    firsts: list[Row] = []
+    repeats = 0
+    conflicts: list[Row] = []
+    seen: dict[tuple[str, str, int], bytes] = {}
     boots: dict[tuple[str, str], int] = {}
     devices: dict[str, tuple[str, int, int]] = {}
     latest: dict[str, tuple[int, dict[str, float]]] = {}
+    # sorted() is stable: rows of one key keep their arrival order, so the first is kept.
     for i, r in enumerate(sorted(rows, key=lambda r: (r.device, r.boot_id, r.seq))):
         if r.kind not in DATA_KINDS:
             raise FleetStoreError(
                 f"ingest row {i} ({r.device}/{r.boot_id}/{r.seq}): kind {r.kind!r} is not "
                 f"a data kind; expected one of {', '.join(DATA_KINDS)}"
             )
+        kept = seen.get((r.device, r.boot_id, r.seq))
+        if kept is not None:
+            if kept == r.body:
+                repeats += 1
+            else:
+                conflicts.append(r)
+            continue
+        seen[(r.device, r.boot_id, r.seq)] = r.body
+        firsts.append(r)
         label = None
         if r.kind == "decision":
             try:
@@ -78,12 +99,37 @@ def prepare(rows: Sequence[Row]) -> Batch:
         devices[r.device] = (site, min(first, r.received_ns), max(last, r.received_ns))
     return Batch(
         messages=messages,
+        rows=firsts,
+        repeats=repeats,
+        conflicts=conflicts,
         boots=[(d, b, ns) for (d, b), ns in sorted(boots.items())],
         devices=[(d, s, f, la) for d, (s, f, la) in sorted(devices.items())],
         latencies=[
             (d, json.dumps(stages, sort_keys=True), t) for d, (t, stages) in sorted(latest.items())
         ],
     )
+
+
+def conflict_rows(rows: Sequence[Row]) -> list[tuple[int, str, str, str, str, bytes]]:
+    """Quarantine rows ``(received_ns, topic, device, reason, where_path, payload)`` for
+    data messages whose key was stored with another body: the first body stays, this one
+    is kept for a person to look at.
+
+    Exactly the same bytes again is a redelivery (a duplicate, dropped); other bytes under
+    the same ``(device, boot_id, seq)`` mean a device bug or a forged device, never
+    something to drop silently."""
+    return [
+        (
+            r.received_ns,
+            topic(r.site, r.device, r.kind),
+            r.device,
+            f"conflict: seq {r.seq} of boot {r.boot_id} is already stored with another "
+            "body; the first one is kept",
+            "$",
+            r.body[:QUARANTINE_PAYLOAD_MAX],
+        )
+        for r in rows
+    ]
 
 
 def state_applies(
@@ -184,6 +230,38 @@ SELECT f.device, f.boot_id, f.first_missing, f.last_missing
 FROM found f LEFT JOIN boots b ON b.device = f.device AND b.boot_id = f.boot_id
 ORDER BY f.device, b.first_received_ns, f.boot_id, f.first_missing
 """  # noqa: S608 - constant fragments; values are bound parameters
+
+
+def holes_received_sql(param: str) -> str:
+    """Holes behind the data messages received in ``[since, until)``: each such message
+    whose seq - 1 is not stored is the upper edge of one; its lower edge is the highest
+    stored seq below it (none: the hole starts at 0). Two index lookups per message
+    received in the window (``(kind, received_ns)``, then the primary key), in the
+    database; the rows it returns are only the holes. ``param`` is the driver's
+    placeholder; bind ``(since, until)``."""
+    return f"""
+SELECT e.device, e.boot_id,
+       COALESCE((SELECT MAX(p.seq) FROM messages p
+                 WHERE p.device = e.device AND p.boot_id = e.boot_id AND p.seq < e.seq), -1) + 1,
+       e.seq - 1
+FROM messages e
+WHERE e.kind IN ('telemetry', 'decision', 'ota/status')
+  AND e.received_ns >= {param} AND e.received_ns < {param} AND e.seq > 0
+  AND NOT EXISTS (SELECT 1 FROM messages q
+                  WHERE q.device = e.device AND q.boot_id = e.boot_id AND q.seq = e.seq - 1)
+ORDER BY 1, 2, 3
+"""  # noqa: S608 - constant fragments; values are bound parameters
+
+
+#: Still missing (a hole can fill between the read and the write) and not yet recorded.
+HOLE_STILL_OPEN = (
+    "SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM messages WHERE device = ? AND boot_id = ? "
+    "AND seq BETWEEN ? AND ?)"
+)
+RECORD_HOLE = (
+    "INSERT INTO ingest_gaps (device, boot_id, first_missing, last_missing, found_ns) "
+    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (device, boot_id, first_missing) DO NOTHING"
+)
 
 
 def gap_rows(rows: Sequence[Sequence[Any]]) -> list[Gap]:

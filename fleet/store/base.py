@@ -55,8 +55,12 @@ class Quarantined:
 
 @dataclass(frozen=True, slots=True)
 class IngestResult:
+    """Rows stored, rows already stored with the same bytes (a redelivery: dropped), and
+    rows whose key was stored with another body (quarantined as ``conflict``)."""
+
     inserted: int
     duplicates: int
+    conflicts: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +114,9 @@ class Store(Protocol):
 
     def ingest(self, rows: Sequence[Row]) -> IngestResult:
         """Store ``rows`` in ONE transaction. A row whose ``(device, boot_id, seq)`` is already
-        stored (or repeated inside ``rows``) is counted as a duplicate, not an error.
+        stored (or repeated inside ``rows``) with the same body is counted as a duplicate,
+        not an error; with another body it is a conflict: the first body stays and the row
+        goes to the quarantine (reason ``conflict: ...``) in the same transaction.
 
         Also updates the registry's ``last_seen_ns`` and, for decisions, the latest stage
         latencies. Devices not yet in the registry are added (the caller decides beforehand,
@@ -176,6 +182,16 @@ class Store(Protocol):
 
         A boot with a watermark but no stored data reports ``0..watermark``. Ordered by
         device, boot's first receive time, first_missing.
+        """
+        ...
+
+    def record_new_gaps(self, since_ns: int, until_ns: int, found_ns: int) -> list[Gap]:
+        """Find the holes behind the data messages received in ``[since_ns, until_ns)``,
+        record those still open in ``ingest_gaps`` and return the ones no one had recorded
+        (several workers may audit the same window: each hole is returned to one of them).
+
+        A hole is keyed by its first missing seq: one that shrank from below since it was
+        recorded (some of it arrived late) is a new hole.
         """
         ...
 

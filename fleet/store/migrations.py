@@ -1,8 +1,12 @@
 """Versioned schema migrations, one list for both backends.
 
-Append only: a released migration is never edited, a change is a new entry with the next
+Append only: a released migration is never edited, a change is a new entry with a higher
 version. Each migration runs in its own transaction together with the ``schema_version`` row
-that records it, so a crash leaves the database at a version boundary. The SQLite text is
+that records it, so a crash leaves the database at a version boundary. Versions are
+reserved ahead for work done in parallel, so a branch may hold 1, 2 and 5 while 3 and 4 land
+from another: what is pending is every version not recorded in ``schema_version`` (not
+"above the highest"), applied in order, and no migration may depend on one with a higher
+number. The SQLite text is
 split on ``;`` and run statement by statement (``executescript`` would commit on its own), so
 no statement may hold a ``;`` inside a literal.
 
@@ -20,10 +24,15 @@ Tables:
   ``critical``); ``rollouts``: one JSON document per rollout (its whole state, written by the
   orchestrator at every change); ``rollout_requests``: pause/resume/abort asked by the CLI,
   taken by the orchestrator; an index to read ``ota/status`` messages by arrival.
+- (v5) ``ingest_gaps``: seq ranges the ingest found missing while it ran (a hole behind a
+  message that arrived, still open after a grace period; see :mod:`fleet.ingest.gapwatch`),
+  one row per ``(device, boot_id, first_missing)``, so several workers auditing the same
+  rows report each hole once. ``fleet gaps`` still reads the messages themselves.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 
@@ -168,9 +177,32 @@ CREATE TABLE rollout_requests (
 CREATE INDEX messages_kind_received ON messages (kind, received_ns)
 """
 
+_V5_SQLITE = """
+CREATE TABLE ingest_gaps (
+    device TEXT NOT NULL,
+    boot_id TEXT NOT NULL,
+    first_missing INTEGER NOT NULL,
+    last_missing INTEGER NOT NULL,
+    found_ns INTEGER NOT NULL,
+    PRIMARY KEY (device, boot_id, first_missing)
+)
+"""
+
+_V5_POSTGRES = """
+CREATE TABLE ingest_gaps (
+    device TEXT NOT NULL,
+    boot_id TEXT NOT NULL,
+    first_missing BIGINT NOT NULL,
+    last_missing BIGINT NOT NULL,
+    found_ns BIGINT NOT NULL,
+    PRIMARY KEY (device, boot_id, first_missing)
+)
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "registry, boots, messages, quarantine", _V1_SQLITE, _V1_POSTGRES),
     Migration(2, "rollouts, rollout requests, device labels", _V2_SQLITE, _V2_POSTGRES),
+    Migration(5, "gaps the ingest found while it ran", _V5_SQLITE, _V5_POSTGRES),
 )
 
 #: The schema version this code writes and reads.
@@ -179,16 +211,16 @@ LATEST = MIGRATIONS[-1].version
 
 def _check_order() -> None:
     versions = [m.version for m in MIGRATIONS]
-    if versions != list(range(1, len(versions) + 1)):
-        raise RuntimeError(f"fleet store migrations are not numbered 1..n: {versions}")
+    if versions[:1] != [1] or any(b <= a for a, b in itertools.pairwise(versions)):
+        raise RuntimeError(f"fleet store migrations are not numbered 1, then upwards: {versions}")
 
 
 _check_order()
 
 
-def pending(current: int) -> list[Migration]:
-    """The migrations to apply to a database at ``current``, in order."""
-    return [m for m in MIGRATIONS if m.version > current]
+def pending(applied: set[int]) -> list[Migration]:
+    """The migrations a database that recorded ``applied`` still needs, in order."""
+    return [m for m in MIGRATIONS if m.version not in applied]
 
 
 def sqlite_statements(sql: str) -> list[str]:

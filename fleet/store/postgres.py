@@ -132,19 +132,18 @@ class PostgresStore:
     # -- schema --------------------------------------------------------------------------
 
     @staticmethod
-    def _version(db: psycopg.Connection[tuple[Any, ...]]) -> int:
+    def _applied(db: psycopg.Connection[tuple[Any, ...]]) -> set[int]:
         row = db.execute("SELECT to_regclass('schema_version') IS NOT NULL").fetchone()
         if not row or not row[0]:
-            return 0
-        got = db.execute("SELECT MAX(version) FROM schema_version").fetchone()
-        return int(got[0] or 0) if got else 0
+            return set()
+        return {int(r[0]) for r in db.execute("SELECT version FROM schema_version").fetchall()}
 
     def migrate(self) -> int:
         def go(db: psycopg.Connection[tuple[Any, ...]]) -> int:
-            current = self._version(db)
-            if current > LATEST:
-                raise SchemaTooNew(self.url, current, LATEST)
-            for m in pending(current):
+            applied = self._applied(db)
+            if max(applied, default=0) > LATEST:
+                raise SchemaTooNew(self.url, max(applied), LATEST)
+            for m in pending(applied):
                 with db.transaction():
                     # Two workers starting together: the second waits, then finds the work done.
                     db.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATE_LOCK,))
@@ -152,14 +151,14 @@ class PostgresStore:
                         "CREATE TABLE IF NOT EXISTS schema_version ("
                         "version INTEGER PRIMARY KEY, description TEXT NOT NULL)"
                     )
-                    if self._version(db) >= m.version:
+                    if m.version in self._applied(db):
                         continue
                     db.execute(m.postgres_sql.encode())
                     db.execute(
                         "INSERT INTO schema_version (version, description) VALUES (%s, %s)",
                         (m.version, m.description),
                     )
-            return self._version(db)
+            return max(self._applied(db), default=0)
 
         return self._run("migrate", go)
 
@@ -210,6 +209,16 @@ class PostgresStore:
         def write(db: psycopg.Connection[tuple[Any, ...]]) -> IngestResult:
             with db.transaction(), db.cursor() as cur:
                 inserted = self._insert_messages(db, batch)
+                conflicts = batch.conflicts
+                if inserted < len(batch.messages):
+                    conflicts = conflicts + self._conflicting(cur, batch)
+                if conflicts:
+                    cur.executemany(
+                        "INSERT INTO quarantine (received_ns, topic, device, reason, where_path, "
+                        "payload) "
+                        "VALUES (%s, %s, %s, %s, %s, %s)",
+                        _common.conflict_rows(conflicts),
+                    )
                 # One statement per table over arrays, not executemany: that is one server
                 # round of parse, plan and execute per device, which cost more than the COPY
                 # of the whole batch. The keys are unique (prepare merged them), and ORDER BY
@@ -229,9 +238,34 @@ class PostgresStore:
                     "WHERE device = %(d)s AND (latency_t_ns IS NULL OR latency_t_ns <= %(t)s)",
                     [{"d": d, "j": j, "t": t} for d, j, t in batch.latencies],
                 )
-            return IngestResult(inserted, len(rows) - inserted)
+            n = len(conflicts)
+            return IngestResult(inserted, len(rows) - inserted - n, n)
 
         return self._run("ingest", go)
+
+    def _conflicting(self, cur: psycopg.Cursor[tuple[Any, ...]], batch: _common.Batch) -> list[Row]:
+        """Rows of ``batch`` that were not inserted because their key holds another body.
+
+        Only asked when some row was not inserted (a redelivery, rare). The comparison
+        runs in the server: against the batch already copied to ``ingest_batch``, or, in
+        ``executemany`` mode, against the batch's keys and bodies sent as arrays. Under
+        READ COMMITTED this statement sees a row another worker committed while our
+        insert waited on its key."""
+        if self.insert_mode == "copy":
+            cur.execute(
+                "SELECT b.device, b.boot_id, b.seq FROM ingest_batch b "
+                "JOIN messages m USING (device, boot_id, seq) WHERE m.body <> b.body"
+            )
+        else:
+            cols = _columns([(r.device, r.boot_id, r.seq, r.body) for r in batch.rows], 4)
+            cur.execute(
+                "SELECT b.device, b.boot_id, b.seq FROM unnest(%s::text[], %s::text[], "
+                "%s::int8[], %s::bytea[]) AS b (device, boot_id, seq, body) "
+                "JOIN messages m USING (device, boot_id, seq) WHERE m.body <> b.body",
+                cols,
+            )
+        keys = {(str(d), str(b), int(q)) for d, b, q in cur.fetchall()}
+        return [r for r in batch.rows if (r.device, r.boot_id, r.seq) in keys]
 
     def quarantine(self, items: Sequence[Quarantined]) -> None:
         if not items:
@@ -389,6 +423,27 @@ class PostgresStore:
         sql = _common.gaps_sql("%s", device is not None).encode()
         args = () if device is None else (device, device)
         return self._run("gaps", lambda db: _common.gap_rows(db.execute(sql, args).fetchall()))
+
+    def record_new_gaps(self, since_ns: int, until_ns: int, found_ns: int) -> list[Gap]:
+        sql = _common.holes_received_sql("%s").encode()
+        still_open = _common.HOLE_STILL_OPEN.replace("?", "%s")
+        record = _common.RECORD_HOLE.replace("?", "%s")
+
+        def go(db: psycopg.Connection[tuple[Any, ...]]) -> list[Gap]:
+            holes = _common.gap_rows(db.execute(sql, (since_ns, until_ns)).fetchall())
+            if not holes:
+                return []
+            new = []
+            with db.transaction():
+                for g in holes:
+                    key = (g.device, g.boot_id, g.first_missing, g.last_missing)
+                    if db.execute(still_open, key).fetchone() is None:
+                        continue
+                    if db.execute(record, (*key, found_ns)).rowcount == 1:
+                        new.append(g)
+            return new
+
+        return self._run("record_new_gaps", go)
 
     def quarantined(self, *, limit: int = 100) -> list[Quarantined]:
         limit = _common.check_limit(limit)

@@ -146,23 +146,22 @@ class SqliteStore:
     # -- schema --------------------------------------------------------------------------
 
     @staticmethod
-    def _version(db: sqlite3.Connection) -> int:
+    def _applied(db: sqlite3.Connection) -> set[int]:
         db.execute(
             "CREATE TABLE IF NOT EXISTS schema_version ("
             "version INTEGER PRIMARY KEY, description TEXT NOT NULL)"
         )
-        row = db.execute("SELECT MAX(version) FROM schema_version").fetchone()
-        return int(row[0] or 0)
+        return {int(r[0]) for r in db.execute("SELECT version FROM schema_version")}
 
     def migrate(self) -> int:
         def go(db: sqlite3.Connection) -> int:
-            current = self._version(db)
-            if current > LATEST:
-                raise SchemaTooNew(self.url, current, LATEST)
-            for m in pending(current):
+            applied = self._applied(db)
+            if max(applied, default=0) > LATEST:
+                raise SchemaTooNew(self.url, max(applied), LATEST)
+            for m in pending(applied):
                 with self._write(db):
                     # Another worker may have migrated while this one waited for the lock.
-                    if self._version(db) >= m.version:
+                    if m.version in self._applied(db):
                         continue
                     for stmt in sqlite_statements(m.sqlite_sql):
                         db.execute(stmt)
@@ -170,7 +169,7 @@ class SqliteStore:
                         "INSERT INTO schema_version (version, description) VALUES (?, ?)",
                         (m.version, m.description),
                     )
-            return self._version(db)
+            return max(self._applied(db), default=0)
 
         return self._run("migrate", go)
 
@@ -190,6 +189,16 @@ class SqliteStore:
                     batch.messages,
                 )
                 inserted = cur.rowcount
+                conflicts = batch.conflicts
+                if inserted < len(batch.messages):
+                    conflicts = conflicts + self._conflicting(db, batch)
+                if conflicts:
+                    db.executemany(
+                        "INSERT INTO quarantine (received_ns, topic, device, reason, where_path, "
+                        "payload) "
+                        "VALUES (?, ?, ?, ?, ?, ?)",
+                        _common.conflict_rows(conflicts),
+                    )
                 db.executemany(
                     "INSERT INTO boots (device, boot_id, first_received_ns) VALUES (?, ?, ?) "
                     "ON CONFLICT (device, boot_id) DO UPDATE SET "
@@ -208,9 +217,26 @@ class SqliteStore:
                     "WHERE device = ?1 AND (latency_t_ns IS NULL OR latency_t_ns <= ?3)",
                     batch.latencies,
                 )
-            return IngestResult(inserted, len(rows) - inserted)
+            n = len(conflicts)
+            return IngestResult(inserted, len(rows) - inserted - n, n)
 
         return self._run("ingest", go)
+
+    @staticmethod
+    def _conflicting(db: sqlite3.Connection, batch: _common.Batch) -> list[Row]:
+        """Rows of ``batch`` that were not inserted because their key holds another body.
+
+        Only asked when some row was not inserted (a redelivery, rare): the rows just
+        inserted compare equal to themselves, so every row of the batch is looked up."""
+        found = []
+        for row in batch.rows:
+            stored = db.execute(
+                "SELECT body FROM messages WHERE device = ? AND boot_id = ? AND seq = ?",
+                (row.device, row.boot_id, row.seq),
+            ).fetchone()
+            if stored is not None and bytes(stored[0]) != row.body:
+                found.append(row)
+        return found
 
     def quarantine(self, items: Sequence[Quarantined]) -> None:
         if not items:
@@ -364,6 +390,27 @@ class SqliteStore:
         sql = _common.gaps_sql("?", device is not None)
         args = () if device is None else (device, device)
         return self._run("gaps", lambda db: _common.gap_rows(db.execute(sql, args).fetchall()))
+
+    def record_new_gaps(self, since_ns: int, until_ns: int, found_ns: int) -> list[Gap]:
+        sql = _common.holes_received_sql("?")
+
+        def go(db: sqlite3.Connection) -> list[Gap]:
+            # Read outside the write lock (WAL: no writer waits for it), then check each
+            # hole again and record it in one short write transaction.
+            holes = _common.gap_rows(db.execute(sql, (since_ns, until_ns)).fetchall())
+            if not holes:
+                return []
+            new = []
+            with self._write(db):
+                for g in holes:
+                    key = (g.device, g.boot_id, g.first_missing, g.last_missing)
+                    if db.execute(_common.HOLE_STILL_OPEN, key).fetchone() is None:
+                        continue
+                    if db.execute(_common.RECORD_HOLE, (*key, found_ns)).rowcount == 1:
+                        new.append(g)
+            return new
+
+        return self._run("record_new_gaps", go)
 
     def quarantined(self, *, limit: int = 100) -> list[Quarantined]:
         limit = _common.check_limit(limit)

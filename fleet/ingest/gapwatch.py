@@ -1,0 +1,102 @@
+"""When the ingest audits the store for gaps, and how it says what it found. Pure: data and
+``now`` in, decisions and lines out; the worker's writer thread does the I/O.
+
+A broker drops messages for the ingest when its queue for the ingest's session is full
+(Mosquitto's ``max_queued_messages``: ``fleet serve`` down for too long, or connected but
+unable to store), and acknowledges them to the device all the same, so they are gone for
+good and nothing else says so. What the fleet sees is a hole: seqs missing below a
+message that did arrive. Every ``check_s`` the worker asks the store for holes behind the
+messages received since its last audit (:meth:`fleet.store.Store.record_new_gaps`,
+two index lookups per message, in the database), and logs each new one at WARNING with
+device, boot and seq range, and counts it (``gaps``, ``gap_seqs``).
+
+A hole is only called a gap once it is ``grace_s`` old (default 30 s): the audit covers
+messages received up to ``now - grace_s``. Until then the missing seqs may still be on
+their way: two workers of a shared group store one device's messages out of order, a
+batch may be in a backoff retry, the agent resends a message nobody was subscribed to
+after 1 s. After this worker failed to write (a store outage: other workers' retries of
+older messages may still be pending) audits wait ``grace_s`` after the failure. A hole
+filled later still than that (messages parked in the session of a worker that is down
+until it comes back) is reported anyway; ``fleet gaps`` always reads the store as it is.
+
+The first audit of a worker starts ``grace_s + check_s`` before it started, so a hole
+behind the first messages after a restart, the case of a broker that dropped messages
+while ``fleet serve`` was down, is found; holes behind messages received just before a
+crash, which the crashed process could not audit any more, can be missed here (``fleet
+gaps`` still lists them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fleet.store import Gap
+
+_SEC = 1_000_000_000
+#: Ranges shown per (device, boot) in one log line; the rest are counted.
+SHOWN_RANGES = 5
+
+
+@dataclass(slots=True)
+class GapWatch:
+    """The audit cursor and clock of one worker (see the module docstring)."""
+
+    grace_ns: int
+    check_ns: int
+    #: Messages received at or after this (UNIX ns) are not audited yet.
+    cursor_ns: int
+    #: No audit before this: the next period, or ``grace`` after a store failure.
+    next_ns: int = 0
+    #: When this worker last (re)connected, for the log line; None before the first.
+    connected_ns: int | None = None
+
+    @classmethod
+    def starting(cls, now_ns: int, *, grace_s: float, check_s: float) -> GapWatch:
+        grace, check = int(grace_s * _SEC), int(check_s * _SEC)
+        return cls(grace_ns=grace, check_ns=check, cursor_ns=now_ns - grace - check)
+
+    def due(self, now_ns: int) -> tuple[int, int] | None:
+        """``(since_ns, until_ns)`` to audit now, or None."""
+        until = now_ns - self.grace_ns
+        if now_ns < self.next_ns or until <= self.cursor_ns:
+            return None
+        return self.cursor_ns, until
+
+    def audited(self, until_ns: int, now_ns: int) -> None:
+        self.cursor_ns = max(self.cursor_ns, until_ns)
+        self.next_ns = now_ns + self.check_ns
+
+    def audit_failed(self, now_ns: int) -> None:
+        """The store could not answer: the same window again next period."""
+        self.next_ns = now_ns + self.check_ns
+
+    def store_failed(self, now_ns: int) -> None:
+        """A batch failed: other workers' older messages may be pending; wait ``grace``."""
+        self.next_ns = max(self.next_ns, now_ns + self.grace_ns)
+
+    def connected(self, now_ns: int) -> None:
+        self.connected_ns = now_ns
+
+
+def gap_lines(gaps: Sequence[Gap], now_ns: int, connected_ns: int | None) -> list[str]:
+    """One WARNING line per (device, boot): its missing seq ranges and how many seqs."""
+    by_boot: dict[tuple[str, str], list[Gap]] = {}
+    for g in gaps:
+        by_boot.setdefault((g.device, g.boot_id), []).append(g)
+    since = ""
+    if connected_ns is not None:
+        since = f"; this worker (re)connected {(now_ns - connected_ns) / _SEC:.0f} s ago"
+    lines = []
+    for (device, boot), found in by_boot.items():
+        found.sort(key=lambda g: g.first_missing)
+        missing = sum(g.last_missing - g.first_missing + 1 for g in found)
+        ranges = ", ".join(f"{g.first_missing}..{g.last_missing}" for g in found[:SHOWN_RANGES])
+        if len(found) > SHOWN_RANGES:
+            ranges += f" and {len(found) - SHOWN_RANGES} more ranges"
+        lines.append(
+            f"ingest gap: device {device} boot {boot} seqs {ranges} never arrived "
+            f"({missing} messages; a broker drops what it cannot queue for the ingest"
+            f"{since}); see fleet gaps"
+        )
+    return lines

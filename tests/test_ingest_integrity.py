@@ -1,0 +1,377 @@
+"""What the ingest must never let through or lose quietly, end to end on both stores: a real
+Mosquitto, a real worker, SQLite and PostgreSQL.
+
+Payloads msgspec alone accepted (a key given twice, NUL inside ``detail``, ``detail`` nested
+60,000 deep), a second body under a stored key (a conflict), and messages the broker
+dropped for the ingest (gaps, see the second half).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import psycopg
+import pytest
+from typer.testing import CliRunner
+
+from fleet.cli import app
+from fleet.ingest import IngestConfig, IngestStats, serve
+from fleet.ingest.gapwatch import GapWatch, gap_lines
+from fleet.store import Gap, Store
+from tests.mqtt_broker import Mosquitto, mosquitto
+from tests.pg import pg_url
+from tests.test_fleet_ingest import (
+    REPO,
+    SITE,
+    Publisher,
+    boot_id,
+    make_worker,
+    opened,
+    ota_status,
+    probe_until_stored,
+    sqlite_url,
+    state,
+    stored_seqs,
+    telemetry,
+    wait_until,
+)
+from tests.test_uplink_mqtt import _kill9, _spawn, _wait_line
+from wire import encode, topic
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[Mosquitto]:
+    with mosquitto(tmp_path / "broker") as b:
+        yield b
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh store: a SQLite file, or a PostgreSQL schema of this test's own (so its
+    migrations and rows never meet another test's, or another branch's code, in the
+    shared database), dropped afterwards."""
+    if request.param == "sqlite":
+        yield sqlite_url(tmp_path / "fleet.db")
+        return
+    base = pg_url()
+    schema = f"t_{uuid.uuid4().hex}"
+    with psycopg.connect(base, autocommit=True) as pg:
+        pg.execute(f"CREATE SCHEMA {schema}".encode())
+    try:
+        yield f"{base}{'&' if '?' in base else '?'}options=-csearch_path%3D{schema}"
+    finally:
+        with psycopg.connect(base, autocommit=True) as pg:
+            pg.execute(f"DROP SCHEMA {schema} CASCADE".encode())
+
+
+@pytest.fixture
+def device() -> str:
+    """A device name of this test alone."""
+    return f"gw-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[Store]:
+    s = opened(store_url)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _ota_with(device: str, boot: str, seq: int, detail_json: bytes) -> bytes:
+    raw = encode(ota_status(device, boot, seq))
+    assert raw.endswith(b'"detail":{}}')
+    return raw.removesuffix(b"{}}") + detail_json + b"}"
+
+
+def test_payloads_msgspec_let_through_are_quarantined_with_reason_and_where(
+    broker: Mosquitto, store_url: str, store: Store, device: str
+) -> None:
+    """Before: a repeated key was stored (last one wins), NUL inside `detail` was stored
+    (on PostgreSQL, whose text refuses NUL everywhere else), 60,000 levels of `detail`
+    were quarantined as `internal error: RecursionError`, and an unknown field named with
+    a NUL made a reason PostgreSQL could not store."""
+    boot = boot_id()
+    ota_t = topic(SITE, device, "ota/status")
+    tel_t = topic(SITE, device, "telemetry")
+    twice = encode(telemetry(device, boot, 1025)).replace(b'"seq":1025', b'"seq":1025,"seq":3')
+    unknown = json.dumps({**msgspec.to_builtins(telemetry(device, boot, 4)), "x\u0000": 1})
+    bad = [
+        (tel_t, twice, 'duplicate key "seq"', "$.seq"),
+        (ota_t, _ota_with(device, boot, 5, b'{"code":"a\\u0000b"}'), "NUL", "$.detail.code"),
+        (
+            ota_t,
+            _ota_with(device, boot, 6, b'{"a":' + b"[" * 60_000 + b"]" * 60_000 + b"}"),
+            "nested deeper than 32 levels",
+            "$.detail.a" + "[0]" * 30,
+        ),
+        (tel_t, unknown.encode(), "unknown field `x\\u0000`", "$"),
+    ]
+    with make_worker(broker, store_url, f"w-{device}") as worker:
+        assert worker.wait_ready(10)
+        pub = Publisher(broker.host, broker.port)
+        probe_until_stored(pub, store, state(device, boot, 0), 30)
+        pub.send(telemetry(device, boot, 0))
+        for t, payload, _, _ in bad:
+            pub.publish(t, payload)
+        pub.send(telemetry(device, boot, 1))
+        pub.close()
+        wait_until(
+            lambda: worker.stats.stored == 2 and sum(worker.stats.quarantined.values()) == 4,
+            30,
+            "two stored, four quarantined",
+        )
+    assert worker.stats.quarantined["schema"] == 4, worker.stats.quarantined
+    assert worker.stats.store_retries == 0
+    held = {q.payload: q for q in store.quarantined(limit=10_000) if q.device == device}
+    for _, payload, reason, where in bad:
+        q = held[payload[:4096]]
+        assert reason in q.reason, q.reason
+        assert q.where == where
+    assert [seq for _, seq, _, _ in store.telemetry(device)] == [0, 1]
+    stored_ota = store.ota_status_since(0, limit=100_000)
+    assert all(device.encode() not in body for _, body in stored_ota)
+
+
+def test_a_second_body_under_a_stored_key_is_a_conflict_not_a_duplicate(
+    broker: Mosquitto, store_url: str, store: Store, device: str
+) -> None:
+    """Before: counted as a duplicate and the second body silently dropped."""
+    boot = boot_id()
+    first = [telemetry(device, boot, seq) for seq in range(4)]
+    forged = telemetry(device, boot, 2, t_ns=first[2].t_ns + 1)
+    with make_worker(broker, store_url, f"w-{device}") as worker:
+        assert worker.wait_ready(10)
+        pub = Publisher(broker.host, broker.port)
+        probe_until_stored(pub, store, state(device, boot, 0), 30)
+        for msg in first:
+            pub.send(msg)
+        pub.flush()
+        wait_until(lambda: worker.stats.stored == 4, 30, "the first four stored")
+        pub.send(forged)  # same key, another body
+        pub.send(first[3])  # the same bytes again: a redelivery
+        pub.close()
+        wait_until(
+            lambda: worker.stats.conflicts + worker.stats.duplicates == 2, 30, "both handled"
+        )
+    assert (worker.stats.stored, worker.stats.duplicates, worker.stats.conflicts) == (4, 1, 1)
+    assert sum(worker.stats.quarantined.values()) == 0
+    assert worker.stats.as_dict()["conflicts"] == 1
+    bodies = {seq: body for _, seq, _, body in store.telemetry(device)}
+    assert bodies[2] == encode(first[2])
+    (q,) = [q for q in store.quarantined(limit=10_000) if q.device == device]
+    assert q.reason.startswith(f"conflict: seq 2 of boot {boot}")
+    assert q.payload == encode(forged)
+
+
+# --- gaps: messages a broker dropped for the ingest -----------------------------------------
+
+SEC = 1_000_000_000
+
+
+def test_gap_watch_audits_up_to_grace_ago_every_period_and_waits_after_a_failure() -> None:
+    t0 = 1_000 * SEC
+    w = GapWatch.starting(t0, grace_s=30, check_s=5)
+    # Right away: what the previous process received in its last 35 s before this start.
+    assert w.due(t0) == (t0 - 35 * SEC, t0 - 30 * SEC)
+    w.audited(t0 - 30 * SEC, t0)
+    assert w.due(t0 + 4 * SEC) is None, "once per period"
+    assert w.due(t0 + 5 * SEC) == (t0 - 30 * SEC, t0 - 25 * SEC)
+    w.audit_failed(t0 + 5 * SEC)
+    assert w.due(t0 + 6 * SEC) is None
+    assert w.due(t0 + 10 * SEC) == (t0 - 30 * SEC, t0 - 20 * SEC), "the same window again"
+    w.audited(t0 - 20 * SEC, t0 + 10 * SEC)
+    # A batch failed: older messages of other workers may be retried; wait a whole grace.
+    w.store_failed(t0 + 11 * SEC)
+    assert w.due(t0 + 40 * SEC) is None
+    assert w.due(t0 + 41 * SEC) == (t0 - 20 * SEC, t0 + 11 * SEC)
+
+
+def test_gap_lines_name_device_boot_and_ranges() -> None:
+    gaps = [Gap("gw-1", "b" * 32, 1000, 2999)] + [
+        Gap("gw-2", "c" * 32, s, s) for s in (9, 7, 5, 3, 1, 11, 13)
+    ]
+    lines = gap_lines(gaps, now_ns=100 * SEC, connected_ns=58 * SEC)
+    assert lines[0] == (
+        f"ingest gap: device gw-1 boot {'b' * 32} seqs 1000..2999 never arrived (2000 "
+        "messages; a broker drops what it cannot queue for the ingest; this worker "
+        "(re)connected 42 s ago); see fleet gaps"
+    )
+    assert "seqs 1..1, 3..3, 5..5, 7..7, 9..9 and 2 more ranges" in lines[1]
+    assert "(7 messages;" in lines[1]
+    assert "connected" not in gap_lines(gaps, 1, None)[0]
+
+
+def _serve(url: str, broker: Mosquitto, client_id: str, log: Path) -> subprocess.Popen[str]:
+    """`fleet serve` as a process, gaps reported after 1 s, its log in ``log``."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "fleet.cli",
+        "serve",
+        "--store",
+        url,
+        "--broker",
+        f"{broker.host}:{broker.port}",
+        "--client-id",
+        client_id,
+        "--no-rollouts",
+        "--gap-grace",
+        "1",
+        "--gap-check",
+        "0.2",
+        "--json",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with log.open("w") as err:
+        return subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True
+        )
+
+
+def _stop(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    (worker,) = json.loads(out.splitlines()[-1])["workers"]
+    assert isinstance(worker, dict)
+    return worker
+
+
+def test_fleet_serve_logs_and_counts_the_messages_a_broker_dropped_for_it(
+    tmp_path: Path, store_url: str, store: Store, device: str
+) -> None:
+    """`fleet serve` down; the broker queues 10 messages for its session and drops the
+    rest after PUBACKing them to the device. Before: `fleet serve` came back and said
+    nothing (only `fleet gaps` showed the hole, to whoever ran it)."""
+    boot = boot_id()
+    cid = f"w-{device}"
+    log = tmp_path / "serve.log"
+    with mosquitto(tmp_path / "broker", extra="max_queued_messages 10\n") as broker:
+        pub = Publisher(broker.host, broker.port)
+        proc = _serve(store_url, broker, cid, log)
+        try:
+            probe_until_stored(pub, store, state(device, boot, 0), 60)
+        finally:
+            _stop(proc)
+        for seq in range(50):  # while it is down
+            pub.send(telemetry(device, boot, seq))
+        pub.flush()
+        proc = _serve(store_url, broker, cid, log)
+        try:
+            wait_until(lambda: len(stored_seqs(store, device)) == 10, 60, "the ten queued")
+            for seq in range(50, 55):
+                pub.send(telemetry(device, boot, seq))
+            pub.close()
+            wait_until(lambda: "ingest gap" in log.read_text(), 60, "the gap logged")
+            time.sleep(1.0)  # no second report of the same hole
+        finally:
+            summary = _stop(proc)
+        assert "Outgoing messages are being dropped for client " + cid in broker.log()
+    lines = [line for line in log.read_text().splitlines() if "ingest gap" in line]
+    assert len(lines) == 1, lines
+    assert " WARNING " in lines[0]
+    assert f"device {device} boot {boot} seqs 10..49 never arrived (40 messages" in lines[0]
+    assert "this worker (re)connected" in lines[0]
+    assert (summary["gaps"], summary["gap_seqs"], summary["stored"]) == (1, 40, 15)
+    assert store.gaps(device) == [Gap(device, boot, 10, 49)]
+
+
+def test_two_workers_storing_out_of_order_report_no_gap(
+    broker: Mosquitto, store_url: str, store: Store, device: str
+) -> None:
+    """Two workers of the shared group store one device's messages in two interleaved
+    streams: every message's predecessor is the other worker's, often not yet committed.
+    Within the grace period that is no gap."""
+    config = IngestConfig(
+        store_url=store_url,
+        broker_host=broker.host,
+        broker_port=broker.port,
+        client_id=f"w-{device}",
+        batch_ms=20,
+        gap_grace_s=3.0,
+        gap_check_s=0.2,
+    )
+    boots = {f"{device}-{i}": boot_id() for i in range(3)}
+    stop = threading.Event()
+    results: list[IngestStats] = []
+    runner = threading.Thread(target=lambda: results.extend(serve(config, workers=2, stop=stop)))
+    runner.start()
+    try:
+        pub = Publisher(broker.host, broker.port)
+        first = next(iter(boots))
+        probe_until_stored(pub, store, state(first, boots[first], 0), 60)
+        time.sleep(2)  # the second worker joins the group
+        n = 300
+        for seq in range(n):
+            for dev, boot in boots.items():
+                pub.send(telemetry(dev, boot, seq))
+        pub.close()
+        wait_until(
+            lambda: all(len(store.telemetry(d, limit=n)) == n for d in boots), 60, "all stored"
+        )
+        time.sleep(config.gap_grace_s + 1.5)  # every window audited
+    finally:
+        stop.set()
+        runner.join(90)
+    assert len(results) == 2
+    assert all(r.stored > 0 for r in results), [r.stored for r in results]
+    assert sum(r.gaps for r in results) == 0
+    assert all(store.gaps(d) == [] for d in boots)
+
+
+def test_fleet_gaps_reports_the_tail_of_a_killed_boot_the_broker_dropped(
+    tmp_path: Path, store_url: str, store: Store, device: str
+) -> None:
+    """The device numbered 40 decisions; the broker acked them all but kept only 10 for the
+    offline ingest, then the device was killed (its Last Will, made at connect, says 0
+    numbered, and was dropped too). Before: `fleet gaps` showed nothing for that boot.
+    Now the next boot's epitaph gives the fleet the count, and the tail is a gap."""
+    cid = f"w-{device}"
+    state_dir = tmp_path / "device"
+    with mosquitto(tmp_path / "broker", extra="max_queued_messages 10\n") as broker:
+        with make_worker(broker, store_url, cid) as first:
+            assert first.wait_ready(10)
+        killed = _spawn(state_dir, broker.port, 40, device=device, after_connect=True)
+        try:
+            old = _wait_line(killed, lambda o: o["event"] == "produced")["boot_id"]
+            _wait_line(killed, lambda o: o["event"] == "stats" and o["acked"] == 40)
+        finally:
+            _kill9(killed)
+        with make_worker(broker, store_url, cid) as worker:
+            wait_until(lambda: worker.stats.stored + worker.stats.states >= 10, 30, "the 10")
+            kept = stored_seqs(store, device)
+            assert kept == list(range(len(kept)))
+            assert len(kept) < 40
+            assert store.gaps(device) == [], "nothing tells the fleet the boot went on"
+            restarted = _spawn(state_dir, broker.port, 0, device=device)
+            try:
+                _wait_line(restarted, lambda o: o["event"] == "stats" and o.get("epitaphs") == 1)
+                wait_until(lambda: bool(store.gaps(device)), 30, "the epitaph stored")
+                restarted.send_signal(signal.SIGTERM)
+                _wait_line(restarted, lambda o: o["event"] == "stopped")
+            finally:
+                _kill9(restarted)
+    done = CliRunner().invoke(app, ["gaps", "--store", store_url, "--device", device, "--json"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout) == [
+        {
+            "device": device,
+            "boot_id": old,
+            "first_missing": len(kept),
+            "last_missing": 39,
+            "missing": 40 - len(kept),
+        }
+    ]
