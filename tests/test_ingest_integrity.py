@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import psycopg
 import pytest
 from typer.testing import CliRunner
 
@@ -30,7 +29,7 @@ from fleet.ingest import IngestConfig, IngestStats, serve
 from fleet.ingest.gapwatch import GapWatch, gap_lines
 from fleet.store import Gap, Store
 from tests.mqtt_broker import Mosquitto, mosquitto
-from tests.pg import pg_url
+from tests.pg import pg_schema_url
 from tests.test_fleet_ingest import (
     REPO,
     SITE,
@@ -64,15 +63,8 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield sqlite_url(tmp_path / "fleet.db")
         return
-    base = pg_url()
-    schema = f"t_{uuid.uuid4().hex}"
-    with psycopg.connect(base, autocommit=True) as pg:
-        pg.execute(f"CREATE SCHEMA {schema}".encode())
-    try:
-        yield f"{base}{'&' if '?' in base else '?'}options=-csearch_path%3D{schema}"
-    finally:
-        with psycopg.connect(base, autocommit=True) as pg:
-            pg.execute(f"DROP SCHEMA {schema} CASCADE".encode())
+    with pg_schema_url() as url:
+        yield url
 
 
 @pytest.fixture
