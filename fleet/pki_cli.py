@@ -30,7 +30,9 @@ from fleet.broker_config import (
 )
 from fleet.broker_reload import Reload, prepare_reload, reload_broker
 from fleet.broker_sizing import DEFAULT_MSG_BYTES, Sizing, default_agent_msgs_per_min
-from fleet.errors import PkiError
+from fleet.cli_common import ENV_STORE, EXIT_FAILURE, fail, open_cli_store
+from fleet.errors import FleetStoreError, PkiError
+from fleet.registry_sync import sync_registry
 
 pki_app = typer.Typer(
     help="The fleet's private CA: device, service and broker certificates.",
@@ -299,6 +301,42 @@ def revoke_cmd(
         passphrase,
         f"{name}'s open connection gets PUBACK 135 (not authorized) for every publish and "
         "reads nothing; its next TLS handshake is refused; other devices are not disturbed",
+    )
+
+
+@pki_app.command("sync-registry")
+def sync_registry_cmd(
+    store: Annotated[
+        str,
+        typer.Option(
+            "--store",
+            envvar=ENV_STORE,
+            help="The fleet store (sqlite:///abs/path.db, postgresql://...) to write.",
+        ),
+    ],
+    ca_dir: DirOpt = Path("pki"),
+) -> None:
+    """Register every valid device certificate in the fleet store at the site it names, and
+    move a registered device whose site differs: the certificate decides. Needed with
+    `fleet serve --no-auto-register`, and to correct rows an older fleet let a message move."""
+    try:
+        issued = pki.list_issued(ca_dir)  # a CA problem is found before the store is opened
+    except PkiError as exc:
+        raise _fail(exc) from None
+    st = open_cli_store(store)
+    try:
+        changes, unchanged = sync_registry(ca_dir, st)
+    except (PkiError, FleetStoreError) as exc:
+        fail(str(exc), EXIT_FAILURE)
+    finally:
+        st.close()
+    for ch in changes:
+        what = "registered" if ch.before is None else f"moved from {ch.before}"
+        typer.echo(f"{ch.device:<20} {ch.site:<20} {what}")
+    skipped = sum(1 for c in issued if c.kind == "device" and (c.revoked or c.site is None))
+    typer.echo(
+        f"{len(changes)} changed, {unchanged} already at their certificate's site, "
+        f"{skipped} revoked or without a site left alone"
     )
 
 

@@ -44,6 +44,7 @@ from fleet.broker_sizing import Sizing, agent_msgs_per_min, default_agent_msgs_p
 from fleet.errors import FleetError, PkiError
 from fleet.pki import read_cert
 from fleet.pki_cli import broker_config_cmd, pki_app
+from fleet.store import open_store
 from tests.mqtt_broker import Mosquitto, free_port
 from wire.topics import shared_subscription, topic
 
@@ -887,3 +888,47 @@ def test_broker_config_refuses_a_server_certificate_from_another_ca(tmp_path: Pa
     pki.issue(other.dir, "broker", tmp_path / "b", kind="server", hosts=["localhost"])
     with pytest.raises(PkiError, match="not issued by the CA"):
         write_broker_config(ca.dir, tmp_path / "b")
+
+
+def test_sync_registry_puts_every_device_at_its_certificates_site(tmp_path: Path) -> None:
+    ca = pki.init_ca(tmp_path / "ca")
+    for name, site in (("gw-1", "plant1"), ("gw-2", "plant2"), ("gw-3", "plant1")):
+        pki.issue(ca.dir, name, tmp_path / name, site=site)
+    pki.issue(ca.dir, "fleet", tmp_path / "fleet", kind="service")
+    pki.revoke(ca.dir, "gw-3")
+    url = f"sqlite://{tmp_path / 'fleet.db'}"
+    store = open_store(url)
+    store.migrate()
+    # gw-2 was moved by a forged birth before sites were fixed; gw-3 is revoked.
+    store.register_device("gw-2", "other-site", "press")
+    store.register_device("gw-3", "elsewhere")
+    store.close()
+    runner, app = CliRunner(), _app()
+    args = ["pki", "sync-registry", "--dir", str(ca.dir), "--store", url]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0].split() == ["gw-1", "plant1", "registered"]
+    assert lines[1].split() == ["gw-2", "plant2", "moved", "from", "other-site"]
+    assert lines[2] == (
+        "2 changed, 0 already at their certificate's site, 1 revoked or without a site left alone"
+    )
+    store = open_store(url)
+    try:
+        got = {d.device: (d.site, d.device_type) for d in store.devices()}
+        assert got == {
+            "gw-1": ("plant1", "generic"),
+            "gw-2": ("plant2", "press"),  # its type kept
+            "gw-3": ("elsewhere", "generic"),  # revoked: left alone
+        }
+    finally:
+        store.close()
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("0 changed, 2 already at their certificate's site")
+    r = runner.invoke(
+        app, ["pki", "sync-registry", "--dir", str(tmp_path / "no-ca"), "--store", url]
+    )
+    assert r.exit_code == 1
+    assert "no CA here" in r.output
+    assert runner.invoke(app, ["pki", "sync-registry", "--dir", str(ca.dir)]).exit_code == 2
