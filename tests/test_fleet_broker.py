@@ -97,8 +97,9 @@ def site(tmp_path: Path) -> Iterator[Site]:
         hosts=["127.0.0.1"],
         log_file=workdir / "mosquitto.log",
         run_as=_me(),
-        # 1 device x 400 msg/min x 10 min = 4,000 messages a session may queue; 1 s autosave.
-        sizing=Sizing(devices=1, msgs_per_min=400, outage_min=10, autosave_s=1),
+        # 1 device x 400 msg/min x 10 min = 4,000 messages (of up to 1,000 B: the test
+        # device's decisions are ~800 B) a session may queue; an autosave every second.
+        sizing=Sizing(devices=1, msgs_per_min=400, outage_min=10, msg_bytes=1000, autosave_s=1),
     )
     conf = files.conf.read_text() + "log_type subscribe\n"
     broker = Mosquitto(workdir, port=port, config=conf)
@@ -273,8 +274,12 @@ def test_revoking_a_connected_device_refuses_its_next_publish_and_disturbs_no_on
         )
         wait_until(lambda: gw2.produced and gw2.stats.get("outbox_rows") == 0, 60, "gw-2 done")
         wait_until(lambda: len(_stored(store, "gw-1")) == total, 60, "gw-1 all stored")
-        time.sleep(0.5)  # anything of gw-2's still on its way would be stored by now
         gw2_stats = dict(gw2.stats)
+        wait_until(
+            lambda: len(_stored(store, "gw-2")) >= int(gw2_stats["acked"]),
+            60,
+            "what the broker accepted from gw-2 stored",
+        )
     finally:
         for d in devices.values():
             d.stop()
