@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from datetime import UTC
 from enum import StrEnum
 from pathlib import Path
@@ -170,6 +171,8 @@ def issue_cmd(  # noqa: PLR0917 - typer passes options as parameters
     if site is not None:
         typer.echo(f"site               {site} (edgefleet/v1/{site}/{name}/...)")
     if paths.kind != "device":
+        if broker_dir is not None:
+            typer.echo(f"broker  nothing to change for a {paths.kind} certificate")
         return
     if broker_dir is None:
         typer.echo(
@@ -177,7 +180,7 @@ def issue_cmd(  # noqa: PLR0917 - typer passes options as parameters
             "`fleet broker-config` again (or --broker-dir), then reload the broker"
         )
         return
-    _apply(ca_dir, broker_dir, target, passphrase, f"{name} may publish under {site}")
+    _apply(ca_dir, broker_dir, target, passphrase, lambda _: f"{name} may publish under {site}")
 
 
 def _reload_target(broker_dir: Path | None, reload: str | None) -> Reload | None:
@@ -194,9 +197,14 @@ def _granted(n: int) -> str:
 
 
 def _apply(
-    ca_dir: Path, broker_dir: Path, reload: Reload | None, passphrase: bytes | None, effect: str
+    ca_dir: Path,
+    broker_dir: Path,
+    reload: Reload | None,
+    passphrase: bytes | None,
+    effect: Callable[[Access], str],
 ) -> Access:
-    """Rewrite the broker's ACL and list in ``broker_dir``, reload it if asked, say so."""
+    """Rewrite the broker's ACL and list in ``broker_dir``, reload it if asked, and say so
+    (``effect``: what the reload did, given what the ACL grants now)."""
     try:
         access = refresh_access(ca_dir, broker_dir, passphrase=passphrase)
     except PkiError as exc:
@@ -220,8 +228,21 @@ def _apply(
     except PkiError as exc:
         raise _fail(exc) from None
     typer.echo(f"reload  {done}")
-    typer.echo(f"effect  {effect}")
+    typer.echo(f"effect  {effect(access)}")
     return access
+
+
+def _revoke_effect(name: str, access: Access) -> str:
+    if name == access.fleet_identity:
+        return (
+            f"{name} is the fleet identity: the ACL keeps its rights for the certificate that "
+            "replaces it, so its open connections keep working; each is refused at its next "
+            "TLS handshake"
+        )
+    return (
+        f"{name}'s open connection gets PUBACK 135 (not authorized) for every publish and "
+        "reads nothing; its next TLS handshake is refused; other devices are not disturbed"
+    )
 
 
 @pki_app.command("list")
@@ -294,14 +315,7 @@ def revoke_cmd(
             "publishing: `fleet broker-config` again (or --broker-dir), then reload the broker"
         )
         return
-    _apply(
-        ca_dir,
-        broker_dir,
-        target,
-        passphrase,
-        f"{name}'s open connection gets PUBACK 135 (not authorized) for every publish and "
-        "reads nothing; its next TLS handshake is refused; other devices are not disturbed",
-    )
+    _apply(ca_dir, broker_dir, target, passphrase, lambda a: _revoke_effect(name, a))
 
 
 @pki_app.command("sync-registry")

@@ -355,3 +355,9 @@ def test_issue_and_revoke_apply_to_a_running_broker_and_refuse_a_wrong_target_fi
         assert gw3.publish("edgefleet/v1/plant1/gw-3/telemetry", b"x") == NOT_AUTHORIZED
     finally:
         gw3.stop()
+
+    # Revoking the fleet identity says what it does and does not do.
+    args = ["pki", "revoke", "fleet", "--dir", str(site.ca_dir), "--broker-dir", b]
+    r = runner.invoke(app, [*args, "--reload", f"pid:{broker_pid}"])
+    assert r.exit_code == 0, r.output
+    assert "effect  fleet is the fleet identity: the ACL keeps its rights" in r.output
