@@ -3,7 +3,8 @@ an ACL that confines every device to its own topic root under the site its certi
 names, queues sized for an outage of ``fleet serve`` (``fleet.broker_sizing``) and durable
 persistence.
 
-What Mosquitto 2.0.11 does with it (pinned by ``tests/test_fleet_pki.py``):
+What Mosquitto 2.0.11 does with it (pinned by ``tests/test_fleet_pki.py`` and
+``tests/test_fleet_broker.py``):
 
 - A client without a certificate, with one from another CA, or with one on the CA's
   revocation list (``crlfile``; reloaded with the certificates on SIGHUP), is refused during
@@ -51,7 +52,7 @@ CONF_NAME = "mosquitto.conf"
 ACL_NAME = "acl"
 DATA_NAME = "data"
 DEFAULT_SERVER_NAME = "broker"
-#: The ACL's header line naming the fleet identity (read back by ``refresh_access``).
+#: The ACL's header line naming the fleet identity (read back by ``fleet_identity_of``).
 _IDENTITY_MARK = "# Fleet service identity: "
 
 
