@@ -1,16 +1,25 @@
 """Mosquitto 2.x configuration for the fleet: mutual TLS, the certificate CN as the username,
-and an ACL that confines every device to its own topic root.
+an ACL that confines every device to its own topic root under the site its certificate
+names, queues sized for an outage of ``fleet serve`` (``fleet.broker_sizing``) and durable
+persistence.
 
-What Mosquitto 2.0.11 does with it (pinned by ``tests/test_fleet_pki.py``):
+What Mosquitto 2.0.11 does with it (pinned by ``tests/test_fleet_pki.py`` and
+``tests/test_fleet_broker.py``):
 
 - A client without a certificate, with one from another CA, or with one on the CA's
   revocation list (``crlfile``; reloaded with the certificates on SIGHUP), is refused during
   TLS: with
   TLS 1.3 the client's handshake completes and the broker then drops the connection ("peer
   did not return a certificate" / "certificate verify failed"), so no CONNACK ever arrives.
-- ``use_identity_as_username`` makes the CN the username, whatever CONNECT says, so
-  ``pattern ... %u`` lines give each device exactly its own ``edgefleet/v1/{site}/{CN}/...``.
-  ``+`` inside a pattern line is an ordinary wildcard once ``%u`` is substituted.
+- ``use_identity_as_username`` makes the CN the username, whatever CONNECT says, so a
+  ``user {CN}`` block of the ACL gives each device exactly its own
+  ``edgefleet/v1/{site}/{CN}/...``, site and name written out: a ``pattern`` line can only
+  substitute the name (``%u``), and a ``+`` for the site let a device publish under any
+  site. A device the ACL does not name (revoked, or issued after the ACL was written) may
+  publish nothing.
+- A reload (SIGHUP) reads the ACL again and applies it to connections already open: a
+  device dropped from the ACL gets PUBACK 135 for its very next publish, on the same
+  connection (its certificate is checked against the CRL only at the next handshake).
 - A publish outside the ACL is dropped; at QoS 1 over MQTT 5 the broker answers PUBACK with
   reason code 135 (Not authorized) and keeps the client connected. (An allowed publish that
   nobody is subscribed to gets 16, No matching subscribers, not 0.)
@@ -26,18 +35,26 @@ What Mosquitto 2.0.11 does with it (pinned by ``tests/test_fleet_pki.py``):
 
 from __future__ import annotations
 
+import os
+import pwd
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 
 from fleet import pki
+from fleet.broker_sizing import Sizing
 from fleet.errors import PkiError
-from wire.topics import PREFIX, UPLINK_KINDS
+from fleet.ingest.config import MAX_PACKET_BYTES
+from wire.topics import PREFIX, UPLINK_KINDS, device_root
 
 CONF_NAME = "mosquitto.conf"
 ACL_NAME = "acl"
+DATA_NAME = "data"
 DEFAULT_SERVER_NAME = "broker"
+#: The ACL's header line naming the fleet identity (read back by ``fleet_identity_of``).
+_IDENTITY_MARK = "# Fleet service identity: "
 
 
 def _value(what: str, value: object) -> str:
@@ -56,9 +73,10 @@ def render_broker_config(
     port: int = 8883,
     fleet_identity: str = "fleet",
     acl_path: Path,
+    persistence_dir: Path,
+    sizing: Sizing | None = None,
     crl: Path | None = None,
     bind: str = "0.0.0.0",  # noqa: S104 - a broker listens for gateways on the site network
-    persistence_dir: Path | None = None,
     plain_port: int | None = None,
     log_file: Path | None = None,
     run_as: str | None = None,
@@ -69,6 +87,8 @@ def render_broker_config(
     clients there get only what the ACL grants anonymous users (``$SYS/#`` read), so it opens
     no path to device topics. ``log_file`` None logs to stderr (journald under systemd).
     ``crl``: the CA's revocation list, checked for every client certificate.
+    ``sizing`` (default: ``Sizing()``) sets the queue limits of every persistent session and
+    the autosave interval of the persistence file in ``persistence_dir``.
 
     Started as root, Mosquitto 2.x switches to ``run_as`` (default: the ``mosquitto`` user)
     *before* it opens the key and the log, so that user must be able to read the 0600 key.
@@ -79,6 +99,7 @@ def render_broker_config(
     if plain_port == port:
         raise PkiError(f"broker config: plain_port {plain_port} is also the TLS port")
     pki.check_name(fleet_identity)
+    sizing = sizing or Sizing()
     lines = [
         "# EdgeFleet broker (Mosquitto 2.x), written by `fleet broker-config`.",
         f"# Fleet service identity (certificate CN): {fleet_identity}",
@@ -88,13 +109,23 @@ def render_broker_config(
     ]
     if run_as is not None:
         lines.append(f"user {_value('run_as', run_as)}")
-    if persistence_dir is not None:
-        lines += [
-            "persistence true",
-            f"persistence_location {_value('persistence_dir', persistence_dir)}/",
-        ]
-    else:
-        lines.append("persistence false")
+    lines += [
+        "",
+        "# What a persistent session (the ingest's, while `fleet serve` is down) may queue;",
+        "# past it the broker drops messages the devices were already told it has.",
+        *(f"# {line}" for line in sizing.summary()),
+        f"max_queued_messages {sizing.messages}",
+        f"max_queued_bytes {sizing.queued_bytes}",
+        "persistence true",
+        f"persistence_location {_value('persistence_dir', persistence_dir)}/",
+        f"autosave_interval {sizing.autosave_s}",
+        "",
+        "# Nothing an agent sends is larger (its payload cap, twice over, as the ingest's",
+        "# Maximum Packet Size): a client that sends more is disconnected and logged",
+        "# ('disconnected due to oversize packet') instead of acknowledged and dropped unseen.",
+        f"max_packet_size {MAX_PACKET_BYTES}",
+        "",
+    ]
     if log_file is not None:
         lines.append(f"log_dest file {_value('log_file', log_file)}")
     else:
@@ -127,13 +158,18 @@ def render_broker_config(
     return "\n".join(lines) + "\n"
 
 
-def render_acl(fleet_identity: str = "fleet") -> str:
-    """The ACL file for ``render_broker_config``'s listeners (Mosquitto ``acl_file`` syntax)."""
+def render_acl(fleet_identity: str = "fleet", devices: Sequence[pki.IssuedCert] = ()) -> str:
+    """The ACL file for ``render_broker_config``'s listeners (Mosquitto ``acl_file`` syntax).
+
+    Each valid device certificate of ``devices`` gets a ``user`` block naming its site and
+    name literally; revoked ones, other kinds and device certificates without a site get
+    nothing (the latter a comment saying so).
+    """
     pki.check_name(fleet_identity)
-    root = f"{PREFIX}/+/%u"
     lines = [
         "# EdgeFleet broker ACL, written by `fleet broker-config`.",
         "# Usernames are certificate CNs (use_identity_as_username).",
+        f"{_IDENTITY_MARK}{fleet_identity}",
         "",
         "# Anonymous clients (only the loopback monitoring listener admits any): broker stats.",
         "topic read $SYS/#",
@@ -146,11 +182,51 @@ def render_acl(fleet_identity: str = "fleet") -> str:
         f"topic write {PREFIX}/+/+/cmd/#",
         "topic read $SYS/#",
         "",
-        "# Every device: publish only its own uplink kinds, read only its own commands.",
-        *(f"pattern write {root}/{kind}" for kind in UPLINK_KINDS),
-        f"pattern read {root}/cmd/#",
+        "# Every device: publish only its own uplink kinds under the site its certificate",
+        "# names, read only its own commands. A device not listed may do nothing.",
     ]
+    for cert in sorted(granted(devices, fleet_identity), key=lambda c: c.name):
+        assert cert.site is not None  # granted() keeps only those with one
+        root = device_root(cert.site, cert.name)
+        lines += [
+            "",
+            f"user {cert.name}",
+            *(f"topic write {root}/{kind}" for kind in UPLINK_KINDS),
+            f"topic read {root}/cmd/#",
+        ]
+    for name in sorted(c.name for c in siteless(devices)):
+        lines += ["", f"# {name}: its certificate names no site, so it gets no rights; re-issue it"]
     return "\n".join(lines) + "\n"
+
+
+def granted(devices: Sequence[pki.IssuedCert], fleet_identity: str) -> list[pki.IssuedCert]:
+    """The certificates of ``devices`` that get topic rights: valid device certificates with
+    a site (never the fleet identity's name, which has rights of its own)."""
+    return [
+        c
+        for c in devices
+        if c.kind == "device" and not c.revoked and c.site is not None and c.name != fleet_identity
+    ]
+
+
+def siteless(devices: Sequence[pki.IssuedCert]) -> list[pki.IssuedCert]:
+    """Valid device certificates that name no site (issued before sites were recorded)."""
+    return [c for c in devices if c.kind == "device" and not c.revoked and c.site is None]
+
+
+@dataclass(frozen=True)
+class Access:
+    """What ``write_access`` wrote: who may do what on the broker now."""
+
+    acl: Path
+    crl: Path
+    fleet_identity: str
+    #: Devices the ACL grants their own topics, as ``(name, site)``.
+    devices: tuple[tuple[str, str], ...]
+    #: Valid device certificates without a site: the ACL grants them nothing.
+    siteless: tuple[str, ...]
+    #: Entries on the revocation list.
+    revoked: int
 
 
 @dataclass(frozen=True)
@@ -163,6 +239,78 @@ class BrokerFiles:
     server_key: Path
     #: True if this run issued the server certificate (it was missing).
     issued_server_cert: bool
+    persistence_dir: Path
+    sizing: Sizing
+    access: Access
+    #: The user the persistence folder was handed to (this run created it, as root).
+    data_owner: str | None = None
+
+
+def write_access(
+    pki_dir: Path, out_dir: Path, fleet_identity: str, *, passphrase: bytes | None = None
+) -> Access:
+    """Write the broker's ``crl.pem`` (the CA's list, signed now if the CA has none yet) and
+    ``acl`` (from the CA's register as it is now) into ``out_dir``, durably, list first."""
+    crl = pki.current_crl(pki_dir, passphrase=passphrase)
+    local_crl = out_dir / pki.CRL
+    if local_crl.resolve() != (pki_dir / pki.CRL).resolve():
+        pki.write_durable(local_crl, crl.public_bytes(serialization.Encoding.PEM))
+    issued = pki.list_issued(pki_dir)
+    acl = out_dir / ACL_NAME
+    pki.write_durable(acl, render_acl(fleet_identity, issued).encode())
+    return Access(
+        acl=acl,
+        crl=local_crl,
+        fleet_identity=fleet_identity,
+        devices=tuple((c.name, c.site or "") for c in granted(issued, fleet_identity)),
+        siteless=tuple(c.name for c in siteless(issued)),
+        revoked=sum(1 for _ in crl),
+    )
+
+
+def fleet_identity_of(broker_dir: Path) -> str:
+    """The fleet identity the ACL in ``broker_dir`` was written for; PkiError if that folder
+    holds no ACL ``write_broker_config`` wrote."""
+    acl = broker_dir / ACL_NAME
+    try:
+        text = acl.read_text()
+    except OSError as exc:
+        raise PkiError(
+            f"{acl}: cannot read the broker's ACL ({exc.strerror}); run `fleet broker-config` "
+            "for that folder first"
+        ) from None
+    found = [
+        ln.removeprefix(_IDENTITY_MARK) for ln in text.splitlines() if ln.startswith(_IDENTITY_MARK)
+    ]
+    if len(found) != 1:
+        raise PkiError(
+            f"{acl}: not an ACL written by `fleet broker-config` (no {_IDENTITY_MARK.strip()!r} "
+            "line); run `fleet broker-config` for that folder first"
+        )
+    return pki.check_name(found[0])
+
+
+def refresh_access(pki_dir: Path, broker_dir: Path, *, passphrase: bytes | None = None) -> Access:
+    """After ``fleet pki issue`` or ``revoke``: rewrite the ACL and the revocation list in a
+    folder ``write_broker_config`` wrote, leaving its config alone (its ports, sizing and
+    paths stay as the operator chose them). The broker applies both at its next reload
+    (SIGHUP)."""
+    identity = fleet_identity_of(broker_dir)
+    return write_access(pki_dir, broker_dir.absolute(), identity, passphrase=passphrase)
+
+
+def _own(path: Path, user: str | None) -> str | None:
+    """As root, hand ``path`` to the user Mosquitto switches to (it writes its persistence
+    file there after dropping root); the user's name, or None if nothing was changed."""
+    name = user or "mosquitto"
+    if os.geteuid() != 0 or name == "root":
+        return None
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        return None  # mosquitto itself refuses to start as a user that does not exist
+    os.chown(path, entry.pw_uid, entry.pw_gid)
+    return name
 
 
 def write_broker_config(
@@ -175,22 +323,26 @@ def write_broker_config(
     hosts: list[str] | None = None,
     bind: str = "0.0.0.0",  # noqa: S104 - see render_broker_config
     persistence_dir: Path | None = None,
+    sizing: Sizing | None = None,
     plain_port: int | None = None,
     log_file: Path | None = None,
     run_as: str | None = None,
     passphrase: bytes | None = None,
 ) -> BrokerFiles:
-    """Write ``mosquitto.conf``, ``acl``, ``ca.crt``, ``crl.pem`` (the CA's revocation list,
-    signed now if the CA has none yet) and (if missing) a server certificate for ``hosts``
-    into ``out_dir``, all durably. Run it again after ``fleet pki revoke``, then reload the
-    broker. An existing server certificate is kept only if
-    this CA issued it; one from another CA is an error, not silently replaced.
+    """Write ``mosquitto.conf``, ``acl``, ``ca.crt``, ``crl.pem`` and (if missing) a server
+    certificate for ``hosts`` into ``out_dir``, all durably (``write_access`` for the ACL and
+    the list). ``persistence_dir`` (default ``out_dir/data``) is created if missing, and, as
+    root, handed to ``run_as`` (default ``mosquitto``). After ``fleet pki issue`` or
+    ``revoke``, ``refresh_access`` rewrites just the ACL and the list. An existing server
+    certificate is kept only if this CA issued it; one from another CA is an error, not
+    silently replaced.
 
     Refuses a ``fleet_identity`` that the CA issued as a *device* certificate: that device
     would get the fleet's rights.
     """
     pki.check_name(fleet_identity)
     pki.check_name(server_name)
+    sizing = sizing or Sizing()
     ca_cert = pki_dir / pki.CA_CERT
     if not ca_cert.exists():
         raise PkiError(f"{pki_dir}: no CA here ({pki.CA_CERT}); run `fleet pki init`")
@@ -204,6 +356,14 @@ def write_broker_config(
             )
     out_dir = out_dir.absolute()
     out_dir.mkdir(parents=True, exist_ok=True)
+    data = (persistence_dir or out_dir / DATA_NAME).absolute()
+    owner = None
+    if not data.exists():
+        try:
+            data.mkdir(mode=0o700, parents=True)
+        except OSError as exc:
+            raise PkiError(f"{data}: cannot create the persistence folder: {exc.strerror}") from exc
+        owner = _own(data, run_as)
     server_cert, server_key = out_dir / f"{server_name}.crt", out_dir / f"{server_name}.key"
     issued = False
     revoked = pki.revoked_serials(pki_dir)
@@ -227,13 +387,8 @@ def write_broker_config(
     local_ca = out_dir / pki.CA_CERT
     if local_ca.resolve() != ca_cert.resolve():
         pki.write_durable(local_ca, ca_cert.read_bytes())
-    crl = pki.current_crl(pki_dir, passphrase=passphrase)
-    local_crl = out_dir / pki.CRL
-    if local_crl.resolve() != (pki_dir / pki.CRL).resolve():
-        pki.write_durable(local_crl, crl.public_bytes(serialization.Encoding.PEM))
-    acl = out_dir / ACL_NAME
+    access = write_access(pki_dir, out_dir, fleet_identity, passphrase=passphrase)
     conf = out_dir / CONF_NAME
-    pki.write_durable(acl, render_acl(fleet_identity).encode())
     pki.write_durable(
         conf,
         render_broker_config(
@@ -242,13 +397,26 @@ def write_broker_config(
             server_key=server_key,
             port=port,
             fleet_identity=fleet_identity,
-            acl_path=acl,
-            crl=local_crl,
+            acl_path=access.acl,
+            persistence_dir=data,
+            sizing=sizing,
+            crl=access.crl,
             bind=bind,
-            persistence_dir=persistence_dir,
             plain_port=plain_port,
             log_file=log_file,
             run_as=run_as,
         ).encode(),
     )
-    return BrokerFiles(conf, acl, local_ca, local_crl, server_cert, server_key, issued)
+    return BrokerFiles(
+        conf,
+        access.acl,
+        local_ca,
+        access.crl,
+        server_cert,
+        server_key,
+        issued,
+        data,
+        sizing,
+        access,
+        owner,
+    )

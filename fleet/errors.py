@@ -76,8 +76,9 @@ class MessageRefused(FleetError):
     """One uplink message the ingest quarantines instead of storing.
 
     ``cls`` is the reason class counted in the ingest stats (``topic``, ``schema``,
-    ``device_mismatch``, ``unknown_device``, ``store``, ``internal``); ``where`` is a JSON
-    path into the payload; ``device`` is the topic's device when the topic parsed.
+    ``device_mismatch``, ``site_mismatch``, ``unknown_device``, ``store``, ``internal``);
+    ``where`` is a JSON path into the payload; ``device`` is the topic's device when the
+    topic parsed.
     """
 
     def __init__(self, cls: str, reason: str, where: str = "$", device: str | None = None):

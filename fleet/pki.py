@@ -17,12 +17,16 @@ Layout of a CA folder::
                                  rebuilt, never silently emptied
 
 ``issue`` writes ``{name}.crt``, ``{name}.key`` (0600) and ``ca.crt`` into the chosen output
-folder, which is what a device or the broker needs. Every file is written durably (temp file,
+folder, which is what a device or the broker needs. A device certificate also names the
+device's site (a subjectAltName URI ``urn:edgefleet:site:{site}``): the site is fixed when
+the certificate is issued, and ``fleet broker-config`` grants the device exactly
+``edgefleet/v1/{site}/{name}/...`` from it. Every file is written durably (temp file,
 fsync, rename, fsync of the folder): a power cut leaves the old file or the new one.
 
 Revocation is pushed, not fetched: ``revoke`` adds every certificate of a name to
-``crl.pem``, ``fleet broker-config`` copies it next to the broker's config (``crlfile``) and
-a reload of the broker (SIGHUP) refuses those certificates at the next TLS handshake. The
+``crl.pem``; ``fleet.broker_config`` copies it next to the broker's config (``crlfile``) and
+drops the name from the broker's ACL, and a reload of the broker (SIGHUP) refuses those
+certificates at the next TLS handshake and every publish of a connection already open. The
 CRL's next update is the CA's own expiry: OpenSSL refuses every client once a CRL it checks
 has expired, and nothing here fetches a fresh one on a schedule.
 """
@@ -61,6 +65,8 @@ BY_SERIAL = "by-serial"
 REVOKED = "revoked"
 _LOCK = ".lock"
 _ORG = "EdgeFleet"
+#: How a device certificate names its site (a subjectAltName URI).
+SITE_URN = "urn:edgefleet:site:"
 # Certificates are valid from a few minutes in the past: a gateway whose clock runs a little
 # behind the CA host would otherwise reject a certificate issued "in its future".
 _BACKDATE = timedelta(minutes=5)
@@ -98,6 +104,9 @@ class IssuedCert:
     path: Path
     #: On the CA's revocation list.
     revoked: bool = False
+    #: The site a device certificate is bound to; None for other kinds (and for a device
+    #: certificate issued before sites were recorded: it gets no rights on the broker).
+    site: str | None = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +230,29 @@ def cert_kind(cert: x509.Certificate, path: Path) -> Kind:
         if k == kind:
             return k
     raise PkiError(f"{path}: not issued by fleet.pki (subject OU {kind!r} is not a known kind)")
+
+
+def cert_site(cert: x509.Certificate, path: Path) -> str | None:
+    """The site ``issue`` bound a device certificate to, or None if it names none."""
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    sites = [
+        u.removeprefix(SITE_URN)
+        for u in san.get_values_for_type(x509.UniformResourceIdentifier)
+        if u.startswith(SITE_URN)
+    ]
+    if len(sites) > 1:
+        raise PkiError(f"{path}: the certificate names {len(sites)} sites; a device has one")
+    if sites:
+        try:
+            device_root(sites[0], "device")
+        except ValueError:
+            raise PkiError(
+                f"{path}: site {sites[0]!r} in the certificate is not a valid name"
+            ) from None
+    return sites[0] if sites else None
 
 
 def cert_name(cert: x509.Certificate, path: Path) -> str:
@@ -349,6 +381,7 @@ def issue(
     kind: Kind = "device",
     days: int = 825,
     hosts: list[str] | None = None,
+    site: str | None = None,
     passphrase: bytes | None = None,
     force: bool = False,
     now: datetime | None = None,
@@ -358,9 +391,10 @@ def issue(
 
     ``kind`` ``device`` and ``service`` get the clientAuth EKU, ``server`` gets serverAuth and a
     subjectAltName of ``hosts`` (DNS names, or IP addresses where they parse as one; at least
-    one is required). ``passphrase`` unlocks the CA key. A name already in the CA's register is
-    refused unless ``force`` (re-issue, e.g. a lost key): two certificates of different kinds
-    with one CN would share one MQTT identity.
+    one is required). A ``device`` needs its ``site`` (see the module docstring); the other
+    kinds take none. ``passphrase`` unlocks the CA key. A name already in the CA's register is
+    refused unless ``force`` (re-issue, e.g. a lost key, or a move to another site): two
+    certificates of different kinds with one CN would share one MQTT identity.
     """
     check_name(name)
     if f"{name}.crt" == CA_CERT:
@@ -375,6 +409,20 @@ def issue(
         raise PkiError(f"{name}: a server certificate needs at least one host name or address")
     if kind != "server" and hosts:
         raise PkiError(f"{name}: hosts are only for server certificates, not {kind}")
+    if kind == "device":
+        if site is None:
+            raise PkiError(
+                f"{name}: a device certificate needs its site (it may publish only under "
+                f"edgefleet/v1/SITE/{name}/...)"
+            )
+        try:
+            device_root(site, name)
+        except ValueError:
+            raise PkiError(
+                f"{name}: site {site!r} is not a valid name ([A-Za-z0-9_.:-], 1-128 chars)"
+            ) from None
+    elif site is not None:
+        raise PkiError(f"{name}: a site is only for device certificates, not {kind}")
     ca_cert, ca_key = _load_ca(ca_dir, passphrase)
     registry = ca_dir / REGISTRY
     recorded = registry / f"{name}.crt"
@@ -394,6 +442,8 @@ def issue(
                     f"{name}: {host!r} is neither a DNS name nor an IP address"
                 ) from None
             sans.append(x509.DNSName(host))
+    if site is not None:
+        sans.append(x509.UniformResourceIdentifier(SITE_URN + site))
 
     now = now or datetime.now(UTC)
     key = ec.generate_private_key(ec.SECP256R1())
@@ -468,15 +518,17 @@ def list_issued(ca_dir: Path) -> list[IssuedCert]:
     found: list[IssuedCert] = []
     for path in sorted(registry.glob("*.crt")) if registry.is_dir() else []:
         cert = read_cert(path)
+        kind = cert_kind(cert, path)
         found.append(
             IssuedCert(
                 name=cert_name(cert, path),
-                kind=cert_kind(cert, path),
+                kind=kind,
                 fingerprint=_fingerprint(cert),
                 serial=cert.serial_number,
                 not_after=cert.not_valid_after_utc,
                 path=path,
                 revoked=cert.serial_number in revoked,
+                site=cert_site(cert, path) if kind == "device" else None,
             )
         )
     return found

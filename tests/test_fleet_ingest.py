@@ -6,6 +6,7 @@ the top are also used by ``tests/test_fleet_cli.py`` and ``bench/fleet_ingest.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -568,6 +569,64 @@ def test_malformed_messages_are_quarantined_and_valid_ones_stored(
         assert mismatch.where == "$.device"
         assert by_payload[cases[5][2]].where == "$.seq"
         assert all(len(q.payload) <= 4096 for q in held)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_device_publishing_under_another_site_is_quarantined_and_stays_put(
+    tmp_path: Path, broker: Mosquitto, backend: str
+) -> None:
+    """The broker's ACL refuses this (tests/test_fleet_pki.py); a broker without it (this
+    plain listener) lets it through, and the ingest must refuse it: before, a retained
+    birth under `other-site` moved the registry row there and set its agent version."""
+    with contextlib.ExitStack() as stack:
+        url = (
+            sqlite_url(tmp_path / "fleet.db")
+            if backend == "sqlite"
+            else stack.enter_context(pg_schema_url())
+        )
+        _site_mismatch_case(broker, url)
+
+
+def _site_mismatch_case(broker: Mosquitto, url: str) -> None:
+    dev = f"dev-a-{uuid.uuid4().hex[:8]}"
+    boot = boot_id()
+    store = opened(url)
+    try:
+        with make_worker(broker, url) as worker:
+            assert worker.wait_ready(10)
+            pub = Publisher(broker.host, broker.port)
+            probe_until_stored(pub, store, state(dev, boot, 0), 30)  # first seen at SITE
+            forged = msgspec.structs.replace(
+                state(dev, boot, 0, site="other-site"), agent_version="9.9.9"
+            )
+            pub.send(forged, retain=True)
+            pub.publish(topic("other-site", dev, "telemetry"), encode(telemetry(dev, boot, 0)))
+            pub.send(telemetry(dev, boot, 1))
+            pub.close()
+            wait_until(
+                lambda: (
+                    1 in stored_seqs(store, dev) and worker.stats.acked == worker.stats.received
+                ),
+                30,
+                "every message handled",
+            )
+        info = store.device(dev)
+        assert info is not None
+        assert (info.site, info.agent_version) == (SITE, "0.1.0")
+        assert stored_seqs(store, dev) == [1]
+        assert worker.stats.quarantined.get("site_mismatch") == 2
+        held = [q for q in store.quarantined(limit=100) if q.device == dev]
+        assert sorted(q.topic for q in held) == [
+            topic("other-site", dev, "state"),
+            topic("other-site", dev, "telemetry"),
+        ]
+        assert all(
+            q.reason == f"site mismatch: topic site 'other-site' is not {dev!r}'s registered "
+            f"site {SITE!r}"
+            for q in held
+        ), [q.reason for q in held]
     finally:
         store.close()
 

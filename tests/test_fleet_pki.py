@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import pwd
 import ssl
@@ -39,12 +40,15 @@ from fleet.broker_config import (
     render_broker_config,
     write_broker_config,
 )
+from fleet.broker_sizing import Sizing, agent_msgs_per_min, default_agent_msgs_per_min
 from fleet.errors import FleetError, PkiError
 from fleet.pki import read_cert
 from fleet.pki_cli import broker_config_cmd, pki_app
+from fleet.store import open_store
 from tests.mqtt_broker import Mosquitto, free_port
 from wire.topics import shared_subscription, topic
 
+SITE = "site-a"
 NOT_AUTHORIZED = 135
 # An accepted QoS 1 publish: Success, or "No matching subscribers" (16) when nobody listens.
 ACCEPTED = (0, 16)
@@ -225,7 +229,13 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     pki.init_ca(ca_dir)
     kinds: dict[str, pki.Kind] = {"gw-1": "device", "gw-2": "device", "fleet": "service"}
     certs = {
-        name: pki.issue(ca_dir, name, tmp_path / "holders" / name, kind=kind)
+        name: pki.issue(
+            ca_dir,
+            name,
+            tmp_path / "holders" / name,
+            kind=kind,
+            site=SITE if kind == "device" else None,
+        )
         for name, kind in kinds.items()
     }
     port, plain_port = free_port(), free_port()
@@ -263,11 +273,14 @@ def test_device_publishes_its_own_uplink_and_the_fleet_receives_it(fleet: Fleet)
     sent = []
     for kind in ("state", "telemetry", "decision", "ota/status"):
         payload = f"gw-1 {kind}".encode()
-        assert gw1.publish(topic("site-a", "gw-1", kind), payload) == 0
+        assert gw1.publish(topic(SITE, "gw-1", kind), payload) == 0
         sent.append(payload)
-    # The site level is a `+` in the ACL: the certificate binds the device, not its site.
-    assert gw1.publish(topic("site-b", "gw-1", "telemetry"), b"elsewhere") == 0
-    sent.append(b"elsewhere")
+    # The certificate binds the device to its site: not even a retained birth elsewhere.
+    # (Before sites were bound, the ACL had a `+` for the site and this got PUBACK 0.)
+    assert gw1.publish(topic("site-b", "gw-1", "telemetry"), b"elsewhere") == NOT_AUTHORIZED
+    assert gw1.publish(topic("site-b", "gw-1", "state"), b"birth", retain=True) == NOT_AUTHORIZED
+    assert gw1.publish(topic(SITE, "gw-1", "telemetry"), b"marker") == 0
+    sent.append(b"marker")
     ingest.wait("all uplinks", lambda: len(ingest.messages) == 5)
     worker.wait("all uplinks, shared", lambda: len(worker.messages) == 5)
     assert ingest.payloads() == sent
@@ -361,7 +374,7 @@ def test_certificate_from_another_ca_cannot_connect(fleet: Fleet, tmp_path: Path
     # Same CN as a real device: only the issuer differs.
     rogue = tmp_path / "rogue"
     pki.init_ca(rogue, name="EdgeFleet CA")
-    forged = pki.issue(rogue, "gw-1", rogue / "gw-1")
+    forged = pki.issue(rogue, "gw-1", rogue / "gw-1", site=SITE)
     assert connect_fails(fleet.broker.port, fleet.ca, forged.cert, forged.key)
     fleet.wait_log("certificate verify failed")
 
@@ -393,7 +406,7 @@ def test_a_revoked_device_is_refused_after_a_reload_and_a_reissued_one_gets_in(
     assert "certificate revoked" in why.stdout + why.stderr, why
     fleet.peer("gw-1")  # the others are untouched
     # A new key and certificate for the same device (a new serial) is let in again.
-    fresh = pki.issue(fleet.ca_dir, "gw-2", tmp_path / "gw-2-new", force=True)
+    fresh = pki.issue(fleet.ca_dir, "gw-2", tmp_path / "gw-2-new", site=SITE, force=True)
     p = Peer(fleet.broker.port, fleet.ca, fresh.cert, fresh.key, client_id="gw-2")
     fleet.peers.append(p)
     p.start()
@@ -437,7 +450,7 @@ def _mode(path: Path) -> int:
 
 def test_keys_are_private_and_certificates_have_the_right_shape(tmp_path: Path) -> None:
     ca = pki.init_ca(tmp_path / "ca", days=30)
-    dev = pki.issue(ca.dir, "gw-1", tmp_path / "gw-1")
+    dev = pki.issue(ca.dir, "gw-1", tmp_path / "gw-1", site="plant-1")
     svc = pki.issue(ca.dir, "fleet", tmp_path / "fleet", kind="service")
     srv = pki.issue(
         ca.dir, "broker", tmp_path / "srv", kind="server", hosts=["mqtt.site", "127.0.0.1"]
@@ -495,6 +508,14 @@ def test_keys_are_private_and_certificates_have_the_right_shape(tmp_path: Path) 
         "gw-1": "device",
     }
     assert listed["gw-1"].fingerprint == pki.fingerprint(dev.cert)
+    # The device's site is in its certificate, signed with it, and in the register.
+    san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["urn:edgefleet:site:plant-1"]
+    assert {n: c.site for n, c in listed.items()} == {
+        "broker": None,
+        "fleet": None,
+        "gw-1": "plant-1",
+    }
 
 
 def test_init_refuses_to_overwrite_a_ca(tmp_path: Path) -> None:
@@ -516,7 +537,7 @@ def test_init_refuses_to_overwrite_a_ca(tmp_path: Path) -> None:
 def test_names_that_could_escape_a_topic_root_are_refused(tmp_path: Path, bad: str) -> None:
     ca = pki.init_ca(tmp_path / "ca")
     with pytest.raises(PkiError, match="not a valid name"):
-        pki.issue(ca.dir, bad, tmp_path / "out")
+        pki.issue(ca.dir, bad, tmp_path / "out", site=SITE)
     assert not (tmp_path / "out").exists()
     with pytest.raises(PkiError):
         render_acl(fleet_identity=bad)
@@ -527,22 +548,29 @@ def test_issue_errors_name_what_is_wrong(tmp_path: Path) -> None:
     ca = pki.init_ca(tmp_path / "ca", passphrase=secret)
     assert b"ENCRYPTED" in ca.key.read_bytes()
     with pytest.raises(PkiError, match=r"ca\.key: the key is encrypted"):
-        pki.issue(ca.dir, "gw-1", tmp_path / "o")
+        pki.issue(ca.dir, "gw-1", tmp_path / "o", site=SITE)
     with pytest.raises(PkiError, match=r"ca\.key: .*wrong passphrase") as info:
-        pki.issue(ca.dir, "gw-1", tmp_path / "o", passphrase=b"wrong")
+        pki.issue(ca.dir, "gw-1", tmp_path / "o", site=SITE, passphrase=b"wrong")
     assert "correct horse" not in str(info.value)
-    pki.issue(ca.dir, "gw-1", tmp_path / "o", passphrase=secret)
+    pki.issue(ca.dir, "gw-1", tmp_path / "o", site=SITE, passphrase=secret)
     with pytest.raises(PkiError, match="already issued as a device"):
         pki.issue(ca.dir, "gw-1", tmp_path / "o2", kind="service", passphrase=secret)
-    pki.issue(ca.dir, "gw-1", tmp_path / "o2", passphrase=secret, force=True)
+    pki.issue(ca.dir, "gw-1", tmp_path / "o2", site=SITE, passphrase=secret, force=True)
     with pytest.raises(PkiError, match="reserved"):
-        pki.issue(ca.dir, "ca", ca.dir, passphrase=secret)
+        pki.issue(ca.dir, "ca", ca.dir, site=SITE, passphrase=secret)
     with pytest.raises(PkiError, match="needs at least one host"):
         pki.issue(ca.dir, "broker", tmp_path / "s", kind="server", passphrase=secret)
     with pytest.raises(PkiError, match="only for server"):
-        pki.issue(ca.dir, "gw-3", tmp_path / "s", hosts=["x"], passphrase=secret)
+        pki.issue(ca.dir, "gw-3", tmp_path / "s", hosts=["x"], site=SITE, passphrase=secret)
+    with pytest.raises(PkiError, match=r"gw-3: a device certificate needs its site"):
+        pki.issue(ca.dir, "gw-3", tmp_path / "s", passphrase=secret)
+    with pytest.raises(PkiError, match=r"site 'a/b' is not a valid name"):
+        pki.issue(ca.dir, "gw-3", tmp_path / "s", site="a/b", passphrase=secret)
+    with pytest.raises(PkiError, match="a site is only for device certificates, not service"):
+        pki.issue(ca.dir, "svc", tmp_path / "s", kind="service", site=SITE, passphrase=secret)
+    assert not (tmp_path / "s").exists()
     with pytest.raises(PkiError, match="no CA here"):
-        pki.issue(tmp_path / "nowhere", "gw-1", tmp_path / "o")
+        pki.issue(tmp_path / "nowhere", "gw-1", tmp_path / "o", site=SITE)
     (tmp_path / "junk.crt").write_text("not a cert")
     with pytest.raises(PkiError, match=r"junk\.crt: not a PEM"):
         pki.fingerprint(tmp_path / "junk.crt")
@@ -552,11 +580,19 @@ def test_issue_errors_name_what_is_wrong(tmp_path: Path) -> None:
 def test_validity_follows_the_given_clock(tmp_path: Path) -> None:
     now = datetime(2030, 1, 1, tzinfo=UTC)
     ca = pki.init_ca(tmp_path / "ca", now=now, days=10)
-    dev = pki.issue(ca.dir, "gw-1", tmp_path / "o", days=825, now=now)
+    dev = pki.issue(ca.dir, "gw-1", tmp_path / "o", site=SITE, days=825, now=now)
     cert = pki.read_cert(dev.cert)
     # Capped at the CA's expiry, and backdated a little for gateways with slow clocks.
     assert cert.not_valid_after_utc == now + timedelta(days=10)
     assert now - timedelta(minutes=10) < cert.not_valid_before_utc < now
+
+
+def _issued(
+    name: str, site: str | None, *, kind: pki.Kind = "device", revoked: bool = False
+) -> pki.IssuedCert:
+    return pki.IssuedCert(
+        name, kind, "AB", 1, datetime(2030, 1, 1, tzinfo=UTC), Path(name), revoked, site
+    )
 
 
 def test_rendered_config_and_acl() -> None:
@@ -565,6 +601,8 @@ def test_rendered_config_and_acl() -> None:
         server_cert=Path("/etc/ef/broker.crt"),
         server_key=Path("/etc/ef/broker.key"),
         acl_path=Path("/etc/ef/acl"),
+        persistence_dir=Path("/var/lib/ef"),
+        sizing=Sizing(devices=10, msgs_per_min=100, outage_min=3, msg_bytes=500, autosave_s=7),
     )
     for line in (
         "listener 8883 0.0.0.0",
@@ -573,7 +611,12 @@ def test_rendered_config_and_acl() -> None:
         "tls_version tlsv1.2",
         "allow_anonymous false",
         "acl_file /etc/ef/acl",
-        "persistence false",
+        # Durable, and sized: 10 devices x 100 msg/min x 3 min.
+        "persistence true",
+        "persistence_location /var/lib/ef/",
+        "autosave_interval 7",
+        "max_queued_messages 3000",
+        "max_queued_bytes 1500000",
     ):
         assert line in conf.splitlines(), line
     assert "127.0.0.1" not in conf  # no plain listener unless asked for
@@ -583,6 +626,7 @@ def test_rendered_config_and_acl() -> None:
             server_cert=Path("/c"),
             server_key=Path("/k"),
             acl_path=Path("/a"),
+            persistence_dir=Path("/d"),
         )
     with pytest.raises(PkiError, match="also the TLS port"):
         render_broker_config(
@@ -590,13 +634,58 @@ def test_rendered_config_and_acl() -> None:
             server_cert=Path("/c"),
             server_key=Path("/k"),
             acl_path=Path("/a"),
+            persistence_dir=Path("/d"),
             plain_port=8883,
         )
-    acl = render_acl("fleet-svc").splitlines()
+    devices = [
+        _issued("gw-1", "plant-1"),
+        _issued("gw-2", "plant-2"),
+        _issued("gw-3", "plant-1", revoked=True),
+        _issued("gw-old", None),
+        _issued("svc", None, kind="service"),
+    ]
+    text = render_acl("fleet-svc", devices)
+    acl = text.splitlines()
     assert "user fleet-svc" in acl
-    assert "pattern write edgefleet/v1/+/%u/telemetry" in acl
-    assert "pattern read edgefleet/v1/+/%u/cmd/#" in acl
     assert "topic write edgefleet/v1/+/+/cmd/#" in acl
+    # Each device: its site and name written out, no pattern, no `+`.
+    gw1 = acl[acl.index("user gw-1") + 1 : acl.index("user gw-1") + 6]
+    assert gw1 == [
+        "topic write edgefleet/v1/plant-1/gw-1/state",
+        "topic write edgefleet/v1/plant-1/gw-1/telemetry",
+        "topic write edgefleet/v1/plant-1/gw-1/decision",
+        "topic write edgefleet/v1/plant-1/gw-1/ota/status",
+        "topic read edgefleet/v1/plant-1/gw-1/cmd/#",
+    ]
+    assert "topic write edgefleet/v1/plant-2/gw-2/state" in acl
+    assert not [ln for ln in acl if ln.startswith("pattern")]
+    # Revoked, site-less and service certificates get nothing.
+    assert "gw-3" not in text
+    assert "user gw-old" not in acl
+    assert "# gw-old: its certificate names no site, so it gets no rights; re-issue it" in acl
+    assert "user svc" not in acl
+
+
+def test_sizing_follows_the_fleet_and_the_agent_defaults() -> None:
+    # An agent on its defaults: 1 telemetry message a second, a decision per window.
+    derived = default_agent_msgs_per_min()
+    assert derived == pytest.approx(60 + 100 / 64 * 60)
+    assert Sizing().msgs_per_min == math.ceil(derived)
+    assert agent_msgs_per_min(
+        telemetry_period_ms=50, telemetry_batch=4, rate_hz=200, hop=32
+    ) == pytest.approx(300 + 375)
+    default = Sizing()
+    assert default.messages == 1000 * 154 * 30
+    assert default.queued_bytes == default.messages * 640
+    first, cost = default.summary()
+    assert first.startswith("1,000 devices x 154 msg/min x 30 min without `fleet serve` = ")
+    assert "4,620,000 messages queued per ingest session" in first
+    assert "2.8 GiB at 640 B each" in first
+    assert "about 4.3 GiB of broker memory" in cost
+    assert "a crash or power cut what arrived in the last 60 s" in cost
+    for bad in ({"devices": 0}, {"outage_min": -1}, {"msgs_per_min": float("nan")}):
+        with pytest.raises(PkiError, match="broker sizing: "):
+            Sizing(**bad)
 
 
 # --- the CLI --------------------------------------------------------------------------------
@@ -624,7 +713,14 @@ def test_cli_init_issue_list_and_broker_config(tmp_path: Path) -> None:
     assert "refusing to overwrite" in r.output
 
     r = runner.invoke(app, ["pki", "issue", "gw-1", "--dir", d, "--passphrase-file", str(pw)])
+    assert r.exit_code == 1
+    assert "gw-1: a device certificate needs its site" in r.output
+    r = runner.invoke(
+        app, ["pki", "issue", "gw-1", "--site", "s", "--dir", d, "--passphrase-file", str(pw)]
+    )
     assert r.exit_code == 0, r.output
+    assert "site               s (edgefleet/v1/s/gw-1/...)" in r.output
+    assert "the broker grants gw-1 nothing until its ACL names it" in r.output
     assert _mode(tmp_path / "pki" / "issued" / "gw-1" / "gw-1.key") == 0o600
     r = runner.invoke(
         app,
@@ -640,7 +736,10 @@ def test_cli_init_issue_list_and_broker_config(tmp_path: Path) -> None:
     r = runner.invoke(app, ["pki", "list", "--dir", d, "--json"])
     assert r.exit_code == 0, r.output
     listed = json.loads(r.stdout)
-    assert [(c["name"], c["kind"]) for c in listed] == [("fleet", "service"), ("gw-1", "device")]
+    assert [(c["name"], c["kind"], c["site"]) for c in listed] == [
+        ("fleet", "service", None),
+        ("gw-1", "device", "s"),
+    ]
     assert listed[1]["fingerprint"] == pki.fingerprint(
         tmp_path / "pki" / "issued" / "gw-1" / "gw-1.crt"
     )
@@ -668,7 +767,19 @@ def test_cli_init_issue_list_and_broker_config(tmp_path: Path) -> None:
     r = runner.invoke(app, ["pki", "list", "--dir", d])
     assert "revoked" in r.output
     r = runner.invoke(
-        app, ["pki", "issue", "gw-1", "--dir", d, "--passphrase-file", str(pw), "--force"]
+        app,
+        [
+            "pki",
+            "issue",
+            "gw-1",
+            "--site",
+            "s",
+            "--dir",
+            d,
+            "--passphrase-file",
+            str(pw),
+            "--force",
+        ],
     )
     assert r.exit_code == 0, r.output
 
@@ -677,9 +788,16 @@ def test_cli_init_issue_list_and_broker_config(tmp_path: Path) -> None:
     args = ["broker-config", "--pki-dir", d, "--out-dir", str(out), "--port", str(port)]
     args += ["--host", "127.0.0.1", "--run-as", _me(), "--passphrase-file", str(pw)]
     args += ["--log-file", str(out / "mosquitto.log")]
+    args += ["--devices", "20", "--outage-min", "10", "--msgs-per-min", "12.5"]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     assert "(issued)" in r.output
+    assert "(1 device granted their topics)" in r.output
+    # What the queues were sized for, and what that costs the broker.
+    assert "sized   20 devices x 12.5 msg/min x 10 min without `fleet serve` = 2,500 " in r.output
+    assert "memory  a full backlog takes about 2.4 MiB of broker memory" in r.output
+    assert f"data    {out / 'data'} (persistence" in r.output
+    assert "max_queued_messages 2500\n" in (out / "mosquitto.conf").read_text()
     assert _mode(out / "broker.key") == 0o600
     # A second run keeps the broker's certificate (it was issued by this CA).
     first = (out / "broker.crt").read_bytes()
@@ -709,9 +827,9 @@ def test_revocation_errors_and_the_list_is_checked_before_use(tmp_path: Path) ->
         pki.revoke(ca.dir, "gw-9")
     with pytest.raises(PkiError, match="not a valid name"):
         pki.revoke(ca.dir, "gw/1")
-    first = pki.issue(ca.dir, "gw-1", tmp_path / "a")
+    first = pki.issue(ca.dir, "gw-1", tmp_path / "a", site=SITE)
     # A forced re-issue (a lost key) keeps the replaced certificate for revocation.
-    second = pki.issue(ca.dir, "gw-1", tmp_path / "b", force=True)
+    second = pki.issue(ca.dir, "gw-1", tmp_path / "b", site=SITE, force=True)
     done = pki.revoke(ca.dir, "gw-1")
     assert set(done.serials) == {
         read_cert(first.cert).serial_number,
@@ -754,7 +872,7 @@ def test_revocation_errors_and_the_list_is_checked_before_use(tmp_path: Path) ->
 
 def test_broker_config_refuses_a_device_as_the_fleet_identity(tmp_path: Path) -> None:
     ca = pki.init_ca(tmp_path / "ca")
-    pki.issue(ca.dir, "fleet", tmp_path / "o")  # a *device* named fleet
+    pki.issue(ca.dir, "fleet", tmp_path / "o", site=SITE)  # a *device* named fleet
     with pytest.raises(PkiError, match="must be a service certificate"):
         write_broker_config(ca.dir, tmp_path / "b")
     r = CliRunner().invoke(
@@ -770,3 +888,47 @@ def test_broker_config_refuses_a_server_certificate_from_another_ca(tmp_path: Pa
     pki.issue(other.dir, "broker", tmp_path / "b", kind="server", hosts=["localhost"])
     with pytest.raises(PkiError, match="not issued by the CA"):
         write_broker_config(ca.dir, tmp_path / "b")
+
+
+def test_sync_registry_puts_every_device_at_its_certificates_site(tmp_path: Path) -> None:
+    ca = pki.init_ca(tmp_path / "ca")
+    for name, site in (("gw-1", "plant1"), ("gw-2", "plant2"), ("gw-3", "plant1")):
+        pki.issue(ca.dir, name, tmp_path / name, site=site)
+    pki.issue(ca.dir, "fleet", tmp_path / "fleet", kind="service")
+    pki.revoke(ca.dir, "gw-3")
+    url = f"sqlite://{tmp_path / 'fleet.db'}"
+    store = open_store(url)
+    store.migrate()
+    # gw-2 was moved by a forged birth before sites were fixed; gw-3 is revoked.
+    store.register_device("gw-2", "other-site", "press")
+    store.register_device("gw-3", "elsewhere")
+    store.close()
+    runner, app = CliRunner(), _app()
+    args = ["pki", "sync-registry", "--dir", str(ca.dir), "--store", url]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0].split() == ["gw-1", "plant1", "registered"]
+    assert lines[1].split() == ["gw-2", "plant2", "moved", "from", "other-site"]
+    assert lines[2] == (
+        "2 changed, 0 already at their certificate's site, 1 revoked or without a site left alone"
+    )
+    store = open_store(url)
+    try:
+        got = {d.device: (d.site, d.device_type) for d in store.devices()}
+        assert got == {
+            "gw-1": ("plant1", "generic"),
+            "gw-2": ("plant2", "press"),  # its type kept
+            "gw-3": ("elsewhere", "generic"),  # revoked: left alone
+        }
+    finally:
+        store.close()
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("0 changed, 2 already at their certificate's site")
+    r = runner.invoke(
+        app, ["pki", "sync-registry", "--dir", str(tmp_path / "no-ca"), "--store", url]
+    )
+    assert r.exit_code == 1
+    assert "no CA here" in r.output
+    assert runner.invoke(app, ["pki", "sync-registry", "--dir", str(ca.dir)]).exit_code == 2

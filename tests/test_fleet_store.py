@@ -565,6 +565,24 @@ def test_late_offline_of_an_old_boot_does_not_mark_the_new_boot_offline(store: S
     assert info.boot_id == BOOT_B
 
 
+def test_a_state_message_never_moves_a_device_to_another_site(store: Store) -> None:
+    store.record_state("gw1", "plant1", state("gw1", "online", t_ns=T0), T0)
+    # A newer birth naming another site (the ingest refuses those; the store holds anyway):
+    # the state applies, the site stays. Before, the row moved to the state's site.
+    moved = state("gw1", "online", boot=BOOT_B, t_ns=T0 + SEC, version="9.9.9")
+    store.record_state("gw1", "other-site", moved, T0 + SEC)
+    info = store.device("gw1")
+    assert info is not None
+    assert (info.site, info.boot_id, info.agent_version) == ("plant1", BOOT_B, "9.9.9")
+    assert store.device_site("gw1") == "plant1"
+    assert store.device_site("gw9") is None
+    # Data rows of a known device do not move it either; an operator does.
+    store.ingest([Row("gw1", "other-site", "telemetry", BOOT_B, 0, T0, b"{}", T0)])
+    assert store.device_site("gw1") == "plant1"
+    store.register_device("gw1", "plant2")
+    assert store.device_site("gw1") == "plant2"
+
+
 def test_ensure_device_with_and_without_auto_register(store: Store) -> None:
     assert store.ensure_device("gw1", "plant1", T0, auto_register=False) is False
     assert store.device("gw1") is None

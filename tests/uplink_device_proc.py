@@ -6,7 +6,7 @@ Produces N decisions (R per second; 0: at once; with ``--after-connect`` only on
 uplink is connected), then prints one JSON line
 ``{"event": "produced", "boot_id": ..., "n": N}`` once they are committed to the outbox, then
 a ``{"event": "stats", ...}`` line every 0.2 s. SIGTERM stops it cleanly (clean ``offline``);
-tests SIGKILL it to see what survives.
+tests SIGKILL it to see what survives. ``--ca/--cert/--key``: mutual TLS.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 
 from edge_agent.rules import Decision, RuleFiring
-from edge_agent.uplink.config import UplinkSection
+from edge_agent.uplink.config import TlsSection, UplinkSection
 from edge_agent.uplink.publisher import Uplink
 
 MODEL_SHA = "ab" * 32
@@ -56,18 +56,20 @@ def _emit(obj: dict[str, object]) -> None:
 
 
 async def _main(args: argparse.Namespace) -> None:
+    tls = TlsSection(ca_file=args.ca, cert_file=args.cert, key_file=args.key) if args.ca else None
     section = UplinkSection(
         enabled=True,
         host="127.0.0.1",
         port=args.port,
         keepalive_s=5,
+        tls=tls,
         replay_rate_per_s=args.replay_rate,
         reconnect_min_ms=100,
         reconnect_max_ms=500,
     )
     up = Uplink(
         section,
-        site="plant1",
+        site=args.site,
         device=args.device,
         device_type="press",
         agent_version="0.1.0",
@@ -103,6 +105,11 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=0.0)
     p.add_argument("--replay-rate", type=float, default=1000.0)
     p.add_argument("--after-connect", action="store_true", help="produce once connected")
+    p.add_argument("--site", default="plant1")
+    # Mutual TLS (all three, or none): the CA that signed the broker, the device's own pair.
+    p.add_argument("--ca")
+    p.add_argument("--cert")
+    p.add_argument("--key")
     asyncio.run(_main(p.parse_args()))
 
 

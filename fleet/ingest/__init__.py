@@ -33,8 +33,10 @@ QoS 1 messages of a persistent session only on a new connection, so a drop loses
 but a QoS 0 message (sent at most once by definition) and costs a resync.
 
 Bad input never stops a worker: a message that does not parse, does not fit the schema,
-names another device than its topic, comes from an unknown device (with auto-registration
-off) or trips an unexpected exception is quarantined with its reason and acked. A store
+names another device than its topic, comes under another site than the one its device is
+registered at (``site mismatch``: a device's site is fixed, the first it was seen at or the
+one an operator registered), comes from an unknown device (with auto-registration off) or
+trips an unexpected exception is quarantined with its reason and acked. A store
 failure (database down) is not bad input: the batch is retried with backoff, unacked, and the
 broker keeps holding the messages; a batch that keeps failing is split to find a message the
 store refuses, which is then quarantined alone: when the store says it refuses the data

@@ -76,15 +76,58 @@ class _Backend(Protocol):
     def ingest(self, rows: Sequence[Row]) -> IngestResult: ...
     def quarantine(self, items: Sequence[Quarantined]) -> None: ...
     def record_state(self, device: str, site: str, state: StateMsg, received_ns: int) -> None: ...
-    def ensure_device(
-        self, device: str, site: str, received_ns: int, *, auto_register: bool
-    ) -> bool: ...
+    def device_site(self, device: str) -> str | None: ...
+
+
+#: Registered sites the store process remembers: device -> (site, received_ns when read).
+Sites = dict[str, tuple[str, int]]
+#: How long a remembered site is trusted before the registry is read again: an operator
+#: moving a device (``register_device``) takes effect within this time (and at once for
+#: messages from the new site, since a mismatch always reads the registry again).
+SITE_RECHECK_NS = 60 * 1_000_000_000
+
+
+def check_site(
+    store: _Backend, device: str, site: str, known: Sites, received_ns: int, *, auto_register: bool
+) -> None:
+    """Refuse a message whose topic names another site than the one ``device`` is registered
+    at (``site_mismatch``), or from an unregistered device when ``auto_register`` is off
+    (``unknown_device``). A new device's site is the first one it is seen at; the batch's
+    own upsert registers it.
+
+    The registry is read once per device and ``SITE_RECHECK_NS``, and again on every
+    mismatch (the device may have been moved), so a well-behaved fleet costs no read per
+    message. ``received_ns`` serves as the clock.
+    """
+    cached = known.get(device)
+    if cached is not None and cached[0] == site and received_ns - cached[1] < SITE_RECHECK_NS:
+        return
+    registered = store.device_site(device)
+    if registered is None:
+        if not auto_register:
+            raise MessageRefused(
+                "unknown_device",
+                f"unknown device {device!r} (auto-registration is off)",
+                "$",
+                device,
+            )
+        # Not committed yet: the first site of this batch (or this message's) will be.
+        registered = cached[0] if cached is not None else site
+    known[device] = (registered, received_ns)
+    if registered != site:
+        raise MessageRefused(
+            "site_mismatch",
+            f"site mismatch: topic site {site!r} is not {device!r}'s registered site "
+            f"{registered!r}",
+            "$",
+            device,
+        )
 
 
 def _classify(
     store: _Backend,
     item: Incoming,
-    known: set[str],
+    known: Sites,
     auto_register: bool,
     notes: list[tuple[str, str]],
 ) -> Row | None:
@@ -108,16 +151,8 @@ def _classify(
         ) from None
     # With auto-registration on, the batch's own upsert (ingest or record_state) registers a
     # new device in the same transaction: no separate write per new device. Off, a device
-    # must exist: looked up once, then remembered.
-    if not auto_register and parsed.device not in known:
-        if not store.ensure_device(parsed.device, parsed.site, received_ns, auto_register=False):
-            raise MessageRefused(
-                "unknown_device",
-                f"unknown device {parsed.device!r} (auto-registration is off)",
-                "$",
-                parsed.device,
-            )
-        known.add(parsed.device)
+    # must exist. Either way its site must be the registered one.
+    check_site(store, parsed.device, parsed.site, known, received_ns, auto_register=auto_register)
     if isinstance(msg, StateMsg):
         store.record_state(parsed.device, parsed.site, msg, received_ns)
         return None
@@ -127,13 +162,13 @@ def _classify(
 
 
 def process_batch(
-    store: _Backend, items: Sequence[Incoming], known: set[str], *, auto_register: bool
+    store: _Backend, items: Sequence[Incoming], known: Sites, *, auto_register: bool
 ) -> BatchOutcome:
     """Check every message of a batch, store the good ones in one transaction, quarantine the
     rest. Returns once all of it is committed; a store failure raises (nothing to ack).
 
-    ``known`` holds devices already found registered (only consulted with auto-registration
-    off); the caller keeps it between batches.
+    ``known`` holds the registered sites already read (:func:`check_site`); the caller
+    keeps it between batches.
     """
     out = BatchOutcome()
     rows: list[Row] = []

@@ -10,7 +10,15 @@ from fleet.errors import IngestError
 from wire import MAX_PAYLOAD_BYTES
 
 #: Reason classes counted in :attr:`IngestStats.quarantined`.
-REASON_CLASSES = ("topic", "schema", "device_mismatch", "unknown_device", "store", "internal")
+REASON_CLASSES = (
+    "topic",
+    "schema",
+    "device_mismatch",
+    "site_mismatch",
+    "unknown_device",
+    "store",
+    "internal",
+)
 #: Backoff between retries of a batch the store failed, seconds (jittered, capped).
 _BACKOFF_MAX_S = 5.0
 #: Consecutive failures of a batch before it is split to isolate a message the store refuses.

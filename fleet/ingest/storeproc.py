@@ -11,7 +11,7 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 from fleet.errors import FleetStoreError, StoreRefused
-from fleet.ingest.checks import BatchOutcome, Incoming, process_batch
+from fleet.ingest.checks import BatchOutcome, Incoming, Sites, process_batch
 from fleet.store import Gap, Quarantined, Store, open_store, redact_url
 
 
@@ -30,7 +30,7 @@ class DirectStore:
 
     def __init__(self, store: Store) -> None:
         self._store = store
-        self._known: set[str] = set()
+        self._known: Sites = {}
 
     def process(self, items: Sequence[Incoming], *, auto_register: bool) -> BatchOutcome:
         return process_batch(self._store, items, self._known, auto_register=auto_register)
@@ -59,7 +59,7 @@ def _store_server(url: str, migrate: bool, conn: Connection) -> None:
         conn.send(("err", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ok", None))
-    known: set[str] = set()
+    known: Sites = {}
     try:
         while True:
             try:

@@ -133,8 +133,10 @@ class Store(Protocol):
 
         A state of an OLDER boot than the one the registry holds (by ``t_ns``) only raises the
         watermark of that old boot; it never marks the newer boot offline. The state's ``seq``
-        (the device's data watermark) feeds :meth:`gaps`. Adds the device if missing: apply
-        the registration policy with :meth:`ensure_device` first.
+        (the device's data watermark) feeds :meth:`gaps`. Adds the device (at ``site``) if
+        missing: apply the registration policy first. Never changes a registered device's
+        site: a message cannot move a device (the ingest refuses one whose topic names
+        another site, see :meth:`device_site`).
         """
         ...
 
@@ -145,8 +147,14 @@ class Store(Protocol):
         unknown and not added: the caller quarantines its messages."""
         ...
 
+    def device_site(self, device: str) -> str | None:
+        """The site ``device`` is registered at (the first it was seen at, or the one
+        :meth:`register_device` set), or None if it is not registered."""
+        ...
+
     def register_device(self, device: str, site: str, device_type: str = "generic") -> None:
-        """Add ``device`` to the registry, or update its site and type if already there.
+        """Add ``device`` to the registry, or update its site and type if already there (an
+        operator moving a device; messages never do).
 
         ``first_seen_ns`` stays 0 until the device's first message."""
         ...

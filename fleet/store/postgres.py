@@ -310,11 +310,11 @@ class PostgresStore:
                 boot, t_ns = row if row else (None, None)
                 if not _common.state_applies(boot, t_ns, state.boot_id, state.t_ns):
                     return
+                # Never the site: a device's site is the one it was registered with.
                 db.execute(
-                    "UPDATE devices SET site = %s, device_type = %s, online = %s, boot_id = %s, "
+                    "UPDATE devices SET device_type = %s, online = %s, boot_id = %s, "
                     "state_t_ns = %s, agent_version = %s, model_sha256 = %s WHERE device = %s",
                     (
-                        site,
                         state.device_type,
                         state.state == "online",
                         state.boot_id,
@@ -343,6 +343,13 @@ class PostgresStore:
             return True
 
         return self._run("ensure_device", go)
+
+    def device_site(self, device: str) -> str | None:
+        def go(db: psycopg.Connection[tuple[Any, ...]]) -> str | None:
+            row = db.execute("SELECT site FROM devices WHERE device = %s", (device,)).fetchone()
+            return None if row is None else str(row[0])
+
+        return self._run("device_site", go)
 
     def register_device(self, device: str, site: str, device_type: str = "generic") -> None:
         # first_seen_ns is 0 for a device registered ahead of its first message.

@@ -277,11 +277,11 @@ class SqliteStore:
                 ).fetchone()
                 if not _common.state_applies(boot, t_ns, state.boot_id, state.t_ns):
                     return
+                # Never the site: a device's site is the one it was registered with.
                 db.execute(
-                    "UPDATE devices SET site = ?, device_type = ?, online = ?, boot_id = ?, "
+                    "UPDATE devices SET device_type = ?, online = ?, boot_id = ?, "
                     "state_t_ns = ?, agent_version = ?, model_sha256 = ? WHERE device = ?",
                     (
-                        site,
                         state.device_type,
                         1 if state.state == "online" else 0,
                         state.boot_id,
@@ -311,6 +311,13 @@ class SqliteStore:
             return True
 
         return self._run("ensure_device", go)
+
+    def device_site(self, device: str) -> str | None:
+        def go(db: sqlite3.Connection) -> str | None:
+            row = db.execute("SELECT site FROM devices WHERE device = ?", (device,)).fetchone()
+            return None if row is None else str(row[0])
+
+        return self._run("device_site", go)
 
     def register_device(self, device: str, site: str, device_type: str = "generic") -> None:
         # first_seen_ns is 0 for a device registered ahead of its first message.
