@@ -3,8 +3,10 @@
 Every command reads the store named by ``--store`` or the environment variable
 ``FLEET_STORE``; the default is the SQLite file ``fleet.db`` in the current directory. A
 URL is ``sqlite:///abs/path.db`` or ``postgresql://user@host:5432/db``; a bare path is taken
-as a SQLite file. Listings print a table for people and, with ``--json``, JSON for scripts
-(one document; ``telemetry tail --follow --json`` prints one JSON object per line).
+as a SQLite file. Only ``fleet serve`` and ``rollout create`` make a SQLite file that does
+not exist; any other command names the file it tried and fails. Listings print a table for
+people and, with ``--json``, JSON for scripts (one document; ``telemetry tail --follow
+--json`` prints one JSON object per line).
 Diagnostics go to stderr. Exit codes: 0 ok, 1 not found / nothing to do, 2 bad usage,
 3 store or broker failure.
 """
