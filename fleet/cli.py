@@ -147,6 +147,21 @@ def serve(
     store: StoreOpt = None,
     broker: Annotated[str, typer.Option(help="MQTT broker host:port.")] = "127.0.0.1:1883",
     workers: Annotated[int, typer.Option(min=1, max=64, help="Ingest workers.")] = 1,
+    connect_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Exit (code 3) if the workers have not reached the broker within this many "
+            "seconds of the start (0: keep trying); later outages are ridden out.",
+        ),
+    ] = 30.0,
+    status_interval: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Seconds between status lines on stderr: workers connected, counts (0: none).",
+        ),
+    ] = 60.0,
     auto_register: Annotated[
         bool,
         typer.Option(
@@ -258,7 +273,14 @@ def serve(
         service = threading.Thread(target=rollouts_main, name="rollouts", daemon=True)
         service.start()
     try:
-        stats = run(config, workers=workers, duration=duration, stop=stop)
+        stats = run(
+            config,
+            workers=workers,
+            duration=duration,
+            stop=stop,
+            connect_timeout=connect_timeout or None,
+            status_interval=status_interval or None,
+        )
     except FleetError as exc:
         _fail(str(exc), EXIT_FAILURE)
     finally:

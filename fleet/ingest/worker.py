@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections import deque
@@ -28,6 +29,7 @@ from fleet.ingest.config import (
     IngestStats,
     backoff_s,
 )
+from fleet.ingest.link import Link, describe_connect_error
 from fleet.ingest.storeproc import DirectStore, StoreClient, StoreOps
 from fleet.store import Quarantined, open_store
 from fleet.store.base import QUARANTINE_PAYLOAD_MAX
@@ -41,8 +43,9 @@ class IngestWorker:
     process of its own (:class:`StoreClient`).
 
     ``start()`` returns once the writer thread runs; the MQTT connection is made and remade
-    in the background (jittered backoff). ``stop()`` commits and acks what it holds, then
-    disconnects; anything unacked is redelivered to the group later.
+    in the background (jittered backoff, each failure's reason logged: see :class:`Link`).
+    ``stop()`` commits and acks what it holds, then disconnects; anything unacked is
+    redelivered to the group later.
     """
 
     def __init__(self, config: IngestConfig) -> None:
@@ -70,6 +73,10 @@ class IngestWorker:
         self._start_error: BaseException | None = None
         self._logged: set[str] = set()
         self._queue_max = config.queue_max
+        host = config.broker_host
+        self._link = Link(
+            f"[{host}]:{config.broker_port}" if ":" in host else f"{host}:{config.broker_port}"
+        )
         self._client = self._make_client()
 
     # --- MQTT side (paho's thread) -------------------------------------------------------
@@ -92,14 +99,12 @@ class IngestWorker:
                 tls_version=ssl.PROTOCOL_TLS_CLIENT,
             )
         client.on_connect = self._on_connect
+        client.on_connect_fail = self._on_connect_fail
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
         client.on_subscribe = self._on_subscribe
-        # Retry every second, no growing backoff: Mosquitto (2.0.11 tested) restores a
-        # persistent session after a restart but NOT its shared subscriptions, so until we
-        # resubscribe, messages published to the group are routed to nobody and lost. The
-        # ingest must be back before the devices are (they back off for longer).
-        client.reconnect_delay_set(min_delay=1, max_delay=1)
+        # paho's own wait is none: ours (jittered, logged) runs in _retry_wait.
+        client.reconnect_delay_set(min_delay=0, max_delay=0)
         return client
 
     def _connect_properties(self) -> Properties:
@@ -123,7 +128,8 @@ class IngestWorker:
         properties: Properties | None,
     ) -> None:
         if reason_code.is_failure:
-            self._note("connect", f"broker refused the connection: {reason_code}")
+            # The broker closes the connection next: _on_disconnect waits before the retry.
+            self._failed(f"the broker refused the connection: {reason_code}")
             return
         # Under the ack lock: the writer must never ack an old connection's mid on this one.
         with self._ack_lock:
@@ -133,14 +139,40 @@ class IngestWorker:
                 # what still waits here from the old connection would only be stored twice.
                 self._discard_before = self._epoch
         self.stats.connects += 1
+        back = self._link.up(time.monotonic())
+        self.stats.connected, self.stats.link_error = True, None
         client.subscribe([(t, 1) for t in shared_subscription(self.config.group)])
+        if back is not None:
+            log.info("ingest %s: %s", self.client_id, back)
         log.info(
-            "ingest %s connected to %s:%d (session present: %s)",
+            "ingest %s connected to %s (session present: %s)",
             self.client_id,
-            self.config.broker_host,
-            self.config.broker_port,
+            self._link.broker,
             flags.session_present,
         )
+
+    def _on_connect_fail(self, client: mqtt.Client, userdata: object) -> None:
+        # paho calls this from inside its `except OSError` around the connect attempt, so
+        # the exception being handled is the reason (paho passes none).
+        self._failed(describe_connect_error(sys.exc_info()[1]))
+        self._retry_wait()
+
+    def _failed(self, reason: str) -> None:
+        """An attempt to connect failed: count it, say why (see Link for how often)."""
+        self.stats.connect_failures += 1
+        line = self._link.failed(reason, time.monotonic())
+        self.stats.connected, self.stats.link_error = False, reason
+        self.stats.last_error = f"cannot connect to {self._link.broker}: {reason}"
+        if line is not None and not self._stopping.is_set():
+            log.warning("ingest %s: %s", self.client_id, line)
+
+    def _retry_wait(self) -> None:
+        """The jittered backoff before paho's next attempt (it waits for none itself); in
+        paho's thread, which has nothing else to do while there is no connection."""
+        if self._stopping.wait(self._link.retry_in()):
+            # Stopping without a connection: no ack can be sent any more (what is unacked is
+            # redelivered), so paho must not try again (its next attempt would not wait).
+            self._client.disconnect()
 
     def _on_subscribe(
         self,
@@ -172,8 +204,21 @@ class IngestWorker:
         # epoch so the writer skips them (the broker redelivers them instead).
         with self._ack_lock:
             self._epoch += 1
-        if not self._stopping.is_set():
-            log.warning("ingest %s disconnected: %s", self.client_id, reason_code)
+        was_up = self._link.connected
+        self._link.lost(str(reason_code), time.monotonic())
+        self.stats.connected = False
+        if self._stopping.is_set():
+            self._client.disconnect()  # no socket: paho's loop ends instead of reconnecting
+            return
+        if was_up:
+            self.stats.link_error = f"connection lost: {reason_code}"
+            log.warning(
+                "ingest %s: connection to %s lost: %s",
+                self.client_id,
+                self._link.broker,
+                reason_code,
+            )
+        self._retry_wait()
 
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         if self._stopping.is_set():
