@@ -48,6 +48,7 @@ from fleet.keys_cli import keys_app
 from fleet.pki_cli import broker_config_cmd, pki_app
 from fleet.rollout_cli import label as rollout_label
 from fleet.rollout_cli import rollout_app
+from fleet.sessions_cli import sessions_app
 from fleet.store import DeviceInfo, Gap
 
 ENV_MQTT_PASSWORD = "FLEET_MQTT_PASSWORD"  # noqa: S105 - a variable name, not a secret
@@ -175,7 +176,10 @@ def serve(
     group: Annotated[str, typer.Option(help="Shared-subscription group.")] = "ingest",
     client_id: Annotated[
         str,
-        typer.Option(help="Stable MQTT client id (persistent session; default: host-based)."),
+        typer.Option(
+            help="Prefix of the workers' MQTT client ids, PREFIX-GROUP-N, each a persistent "
+            "session the store records (default: fleet-ingest-HOSTNAME).",
+        ),
     ] = "",
     batch_max: Annotated[int, typer.Option(help="Messages per store transaction.")] = 500,
     batch_ms: Annotated[int, typer.Option(help="Longest wait to fill a batch (ms).")] = 50,
@@ -580,6 +584,7 @@ devices_app.command("label")(rollout_label)
 app.command("broker-config")(broker_config_cmd)
 app.add_typer(keys_app, name="keys")
 app.add_typer(bundle_app, name="bundle")
+app.add_typer(sessions_app, name="sessions")
 
 
 def main() -> None:

@@ -257,6 +257,8 @@ READ_COMMANDS = [
     ["rollout", "list"],
     ["rollout", "status", "r1"],
     ["rollout", "pause", "r1"],
+    ["sessions", "list"],
+    ["sessions", "retire", "node-a"],
 ]
 
 

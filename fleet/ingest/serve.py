@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 from fleet.errors import IngestError
 from fleet.ingest.config import IngestConfig, IngestStats
+from fleet.ingest.drain import QUIET_S
+from fleet.ingest.keeper import SessionKeeper
 from fleet.ingest.worker import IngestWorker
 from fleet.store import open_store
 
@@ -26,6 +28,9 @@ log = logging.getLogger(__name__)
 TICK_S = 1.0
 #: A worker process that died is started again, but not sooner than this after its last start.
 RESTART_AFTER_S = 2.0
+#: How long past ``connect_timeout`` a worker that has not tried to connect yet (its process
+#: and store process still starting) is given to try once.
+STARTUP_GRACE_S = 10.0
 
 Report = tuple[int, dict[str, Any]]  # worker index, its stats
 
@@ -163,36 +168,71 @@ def serve(
     on_stats: Callable[[IngestStats], None] | None = None,
     connect_timeout: float | None = 30.0,
     status_interval: float | None = 60.0,
+    node: str | None = None,
+    quiet_s: float = QUIET_S,
 ) -> list[IngestStats]:
     """Migrate once, then run ``workers`` ingest workers until ``duration`` or ``stop``.
 
-    One worker runs in this process; more run as processes (one GIL each), with client ids
-    ``{client_id}-{i}`` so each keeps its own persistent session across restarts. Raises
-    IngestError if a worker has not connected to the broker within ``connect_timeout``
-    seconds (None: wait for ever). Logs a status line every ``status_interval`` seconds.
-    Returns each worker's final stats.
+    One worker runs in this process; more run as processes (one GIL each). Worker ``i``'s
+    client id is ``{prefix}-{group}-{i}`` (prefix: ``config.client_id`` or
+    ``fleet-ingest-{node}``, node: the host name), a persistent session that the store
+    records; sessions of the prefix that no worker runs now are drained once the workers
+    are connected (see :mod:`fleet.ingest.sessions`). Raises IngestError if a worker has not
+    connected to the broker within ``connect_timeout`` seconds (None: wait for ever). Logs a
+    status line every ``status_interval`` seconds. Returns each worker's final stats.
     """
+    stop = stop or threading.Event()
+    started = time.monotonic()
     store = open_store(config.store_url)
     try:
         store.migrate()
+        keeper = SessionKeeper(
+            store,
+            config,
+            node=node or socket.gethostname(),
+            workers=workers,
+            broker=_broker(config),
+            quiet_s=quiet_s,
+        )
+        configs = [replace(config, client_id=cid, migrate=False) for cid in keeper.worker_ids()]
+        pool: _Workers = _InProcess(configs[0]) if workers <= 1 else _Processes(configs)
+        try:
+            return _run(
+                pool,
+                keeper,
+                config=config,
+                stop=stop,
+                started=started,
+                duration=duration,
+                on_stats=on_stats,
+                connect_timeout=connect_timeout,
+                status_interval=status_interval,
+            )
+        finally:
+            keeper.stop()
     finally:
         store.close()
-    base_id = config.client_id or f"fleet-ingest-{socket.gethostname()}"
-    stop = stop or threading.Event()
-    started = time.monotonic()
-    pool: _Workers
-    if workers <= 1:
-        pool = _InProcess(replace(config, client_id=base_id, migrate=False))
-    else:
-        pool = _Processes(
-            [replace(config, client_id=f"{base_id}-{i}", migrate=False) for i in range(workers)]
-        )
+
+
+def _run(
+    pool: _Workers,
+    keeper: SessionKeeper,
+    *,
+    config: IngestConfig,
+    stop: threading.Event,
+    started: float,
+    duration: float | None,
+    on_stats: Callable[[IngestStats], None] | None,
+    connect_timeout: float | None,
+    status_interval: float | None,
+) -> list[IngestStats]:
     final: list[IngestStats] | None = None
     try:
         if not _connected_in_time(pool, connect_timeout, stop):
             # The workers' last word (their final stats) holds why they could not connect.
             final = pool.stop()
             raise IngestError(_not_connected(final, _broker(config), connect_timeout or 0))
+        keeper.start_drains()
         next_status = time.monotonic() + (status_interval or 0)
         while not stop.is_set():
             left = (
@@ -202,12 +242,13 @@ def serve(
                 break
             stop.wait(left)
             pool.poll()
+            keeper.tick()
             stats = pool.stats()
             if on_stats is not None:
                 on_stats(_total(stats))
             if status_interval and time.monotonic() >= next_status:
                 next_status += status_interval
-                level, line = status_line(stats, _broker(config))
+                level, line = status_line(stats, _broker(config), keeper.draining())
                 log.log(level, "%s", line)
     finally:
         if final is None:
@@ -228,14 +269,19 @@ def _total(stats: list[IngestStats]) -> IngestStats:
 
 
 def _connected_in_time(pool: _Workers, timeout: float | None, stop: threading.Event) -> bool:
-    """True once every worker has connected once (or on ``stop``); False after ``timeout``."""
+    """True once every worker has connected once (or on ``stop``); False after ``timeout``,
+    or, for a worker that has not tried yet (its process still starting), after its first
+    failed attempt, STARTUP_GRACE_S at most: the line then says why."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while not stop.is_set():
         pool.poll()
-        if all(s.connects > 0 for s in pool.stats()):
+        stats = pool.stats()
+        if all(s.connects > 0 for s in stats):
             return True
         if deadline is not None and time.monotonic() >= deadline:
-            return False
+            tried = all(s.connects > 0 or s.connect_failures > 0 for s in stats)
+            if tried or time.monotonic() >= deadline + STARTUP_GRACE_S:
+                return False
         stop.wait(0.1)
     return True
 
@@ -249,7 +295,7 @@ def _not_connected(stats: list[IngestStats], broker: str, timeout: float) -> str
     )
 
 
-def status_line(stats: list[IngestStats], broker: str) -> tuple[int, str]:
+def status_line(stats: list[IngestStats], broker: str, draining: int = 0) -> tuple[int, str]:
     """The periodic status line and its level: WARNING while a worker is not connected."""
     total = _total(stats)
     up = sum(1 for s in stats if s.connected)
@@ -263,4 +309,6 @@ def status_line(stats: list[IngestStats], broker: str) -> tuple[int, str]:
         f"{total.duplicates}, quarantined {q}, dropped {total.dropped}, store retries "
         f"{total.store_retries}"
     )
+    if draining:
+        line += f"; draining {draining} session(s) no worker reads"
     return (logging.INFO if up == len(stats) else logging.WARNING), line

@@ -37,6 +37,9 @@ from wire.topics import shared_subscription
 
 log = logging.getLogger(__name__)
 
+#: DISCONNECT reason: another connection took this client id (MQTT 5 "Session taken over").
+TAKEN_OVER = 142
+
 
 class IngestWorker:
     """One ingest client: paho's network thread, a writer thread, and (by default) a store
@@ -66,6 +69,11 @@ class IngestWorker:
         #: Messages of connections before this one are skipped by the writer (resent).
         self._discard_before = 0
         self._stopping = threading.Event()
+        #: The writer holds messages it took from the inbox (a batch not yet committed).
+        self._busy = False
+        #: Messages left unacked while stopping (came then, or the store failed them then):
+        #: the session still owes them, so it must not be ended.
+        self._held_back = 0
         self._resync = threading.Event()
         self._ready = threading.Event()
         self._subscribed = threading.Event()
@@ -73,6 +81,8 @@ class IngestWorker:
         self._start_error: BaseException | None = None
         self._logged: set[str] = set()
         self._queue_max = config.queue_max
+        #: The level of the "connected" line (a drain looking for old sessions lowers it).
+        self.connect_log_level = logging.INFO
         host = config.broker_host
         self._link = Link(
             f"[{host}]:{config.broker_port}" if ":" in host else f"{host}:{config.broker_port}"
@@ -141,15 +151,20 @@ class IngestWorker:
         self.stats.connects += 1
         back = self._link.up(time.monotonic())
         self.stats.connected, self.stats.link_error = True, None
-        client.subscribe([(t, 1) for t in shared_subscription(self.config.group)])
+        self._after_connect(client, flags.session_present)
         if back is not None:
             log.info("ingest %s: %s", self.client_id, back)
-        log.info(
+        log.log(
+            self.connect_log_level,
             "ingest %s connected to %s (session present: %s)",
             self.client_id,
             self._link.broker,
             flags.session_present,
         )
+
+    def _after_connect(self, client: mqtt.Client, session_present: bool) -> None:
+        """Join the group (a drain leaves it instead: see fleet.ingest.drain)."""
+        client.subscribe([(t, 1) for t in shared_subscription(self.config.group)])
 
     def _on_connect_fail(self, client: mqtt.Client, userdata: object) -> None:
         # paho calls this from inside its `except OSError` around the connect attempt, so
@@ -210,7 +225,10 @@ class IngestWorker:
         if self._stopping.is_set():
             self._client.disconnect()  # no socket: paho's loop ends instead of reconnecting
             return
-        if was_up:
+        if reason_code.value == TAKEN_OVER:
+            self._taken_over()
+            self.stats.link_error = "session taken over by another client with this client id"
+        elif was_up:
             self.stats.link_error = f"connection lost: {reason_code}"
             log.warning(
                 "ingest %s: connection to %s lost: %s",
@@ -220,10 +238,20 @@ class IngestWorker:
             )
         self._retry_wait()
 
+    def _taken_over(self) -> None:
+        """The broker gave this client id to another connection (and will take it back when
+        this worker reconnects): two processes share the id, each losing it every second."""
+        log.warning(
+            "ingest %s: another client connected with this client id and took the session "
+            "(a second fleet serve with the same --client-id or node?)",
+            self.client_id,
+        )
+
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         if self._stopping.is_set():
             # Left unacked: the broker keeps it for this session. Taking more while stopping
             # would keep the writer (and stop()) busy for as long as traffic flows.
+            self._held_back += 1
             return
         # Every line here runs once per message in the thread that bounds the worker's
         # rate (see StoreClient): keep it to queueing.
@@ -290,13 +318,33 @@ class IngestWorker:
         )
         self._client.loop_start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Flush and ack what is held, then disconnect (the session stays at the broker)."""
+    def stop(self, timeout: float = 30.0, *, end_session: bool = False) -> bool:
+        """Flush and ack what is held, then disconnect: the session stays at the broker, or
+        with ``end_session`` the broker deletes it (MQTT 5 Session Expiry 0 on DISCONNECT),
+        but only if every message it delivered is stored and acked (else it stays, and
+        what it holds is redelivered later). Returns whether the session was ended."""
         self._stopping.set()
         if self._writer is not None:
             self._writer.join(timeout)
-        self._client.disconnect()
+        props = None
+        end = end_session and self.stats.connected and self.idle() and self._held_back == 0
+        if end:
+            props = Properties(PacketTypes.DISCONNECT)  # type: ignore[no-untyped-call]
+            props.SessionExpiryInterval = 0
+        elif end_session:
+            log.warning(
+                "ingest %s: session kept (messages unstored or unacked, or no connection)",
+                self.client_id,
+            )
+        self._client.disconnect(properties=props)
         self._client.loop_stop()
+        return end
+
+    def idle(self) -> bool:
+        """Nothing held: no message waits in the inbox, in a batch or for its PUBACK."""
+        # In this order: the writer sets _busy before it takes from the inbox and clears it
+        # after it queued the batch's acks.
+        return not self._inbox and not self._busy and not self._acks
 
     def __enter__(self) -> IngestWorker:
         self.start()
@@ -347,6 +395,7 @@ class IngestWorker:
             # Group commit: take what is waiting (up to batch_max); linger up to batch_ms
             # for more only while the batch is small, so a trickle is stored at once and a
             # flood is stored in big transactions.
+            self._busy = True
             batch: list[Incoming] = []
             deadline = time.monotonic() + batch_s
             while len(batch) < batch_max:
@@ -369,6 +418,7 @@ class IngestWorker:
             self._space.set()
             if batch:
                 self._commit_with_retry(store, batch)
+            self._busy = False
 
     def _do_resync(self) -> None:
         self._resync.clear()
@@ -396,6 +446,7 @@ class IngestWorker:
             # A refusal is the data's, not the moment's: no point retrying the same rows.
             refused = isinstance(error, StoreRefused)
             if self._stopping.is_set() and failures >= SPLIT_AFTER:
+                self._held_back += len(batch)
                 return  # unacked: the broker redelivers to the group
             if refused or failures >= SPLIT_AFTER:
                 if len(batch) > 1:
