@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -29,6 +30,7 @@ from typer.testing import CliRunner
 from fleet.cli import app
 from fleet.ingest import IngestConfig, serve
 from fleet.ingest.config import IngestStats
+from fleet.ingest.drain import SessionDrainer
 from fleet.ingest.link import REPEAT_LOG_S, Link
 from fleet.ingest.serve import status_line
 from fleet.ingest.sessions import (
@@ -500,9 +502,10 @@ def _changes_lose_nothing(tmp_path: Path, broker: Mosquitto, url: str) -> None:
     gaps = CliRunner().invoke(app, ["gaps", "--json", "--store", url])
     assert gaps.exit_code == 0, gaps.output
     assert json.loads(gaps.stdout) == []
-    # Each start drained what the one before left and no worker reads.
+    # The starts drained what the ones before left and no worker reads (a drain that a stop
+    # cut short says so, and the next start takes the session on).
     logs = "\n".join(s.text() for s in serves)
-    assert re.search(r"ingest drain chg-ingest-1: [1-9]\d* message\(s\)", logs), logs
+    assert re.search(r"ingest drain chg-ingest-[12]: (stopped after )?[1-9]\d* message", logs)
     listed = CliRunner().invoke(app, ["sessions", "list", "--json", "--store", url])
     assert listed.exit_code == 0, listed.output
     assert [(s["client_id"], s["state"]) for s in json.loads(listed.stdout)] == [
@@ -612,3 +615,66 @@ def test_a_retired_nodes_sessions_are_drained_by_a_running_fleet_serve(
     drained = {s["client_id"]: s["drained"] for s in shown}
     assert 0 < drained[session_a] < 100
     assert not _at_broker(broker, session_a)
+
+
+def _drain(config: IngestConfig, stop: threading.Event, box: list[str]) -> threading.Thread:
+    """A SessionDrainer's ``drain`` in a thread; its outcome appended to ``box``."""
+    drainer = SessionDrainer(config, quiet_s=1.0)
+    box.append("")
+    t = threading.Thread(target=lambda: box.__setitem__(-1, drainer.drain(stop)), daemon=True)
+    t.start()
+    t.drainer = drainer  # type: ignore[attr-defined]
+    return t
+
+
+def test_a_drain_stopped_before_it_could_store_keeps_the_session_and_its_messages(
+    tmp_path: Path, broker: Mosquitto
+) -> None:
+    """Never ended while it owes a message: the store is locked, the drain is stopped."""
+    path = tmp_path / "fleet.db"
+    url = sqlite_url(path)
+    store = opened(url)
+    with make_worker(broker, url, "dr-1") as w:
+        assert w.wait_ready(10)
+    boot = boot_id()
+    pub = Publisher(broker.host, broker.port)
+    for seq in range(50):
+        pub.send(telemetry("gw-d", boot, seq))
+    pub.close()
+    config = IngestConfig(store_url=f"{url}?busy_timeout_ms=100", broker_host=broker.host,
+                          broker_port=broker.port, client_id="dr-1", batch_ms=20)  # fmt: skip
+    lock = sqlite3.connect(path, isolation_level=None)
+    lock.execute("BEGIN IMMEDIATE")  # every write of the drain fails
+    stop, box = threading.Event(), list[str]()
+    first = _drain(config, stop, box)
+    wait_until(lambda: first.drainer.stats.store_retries >= 2, 30, "failed commits")  # type: ignore[attr-defined]
+    stop.set()
+    first.join(60)
+    assert box == ["stopped"]
+    lock.execute("ROLLBACK")
+    lock.close()
+    assert stored_seqs(store, "gw-d") == []
+    again = _drain(config, threading.Event(), box)
+    again.join(60)
+    assert box[-1] == "ended"
+    assert again.drainer.present is True  # type: ignore[attr-defined]
+    assert stored_seqs(store, "gw-d") == list(range(50))
+    store.close()
+    assert not _at_broker(broker, "dr-1")
+
+
+def test_a_drain_gives_way_to_a_client_running_the_session(
+    tmp_path: Path, broker: Mosquitto
+) -> None:
+    url = sqlite_url(tmp_path / "fleet.db")
+    opened(url).close()
+    with make_worker(broker, url, "dr-2") as live:
+        assert live.wait_ready(10)
+        config = IngestConfig(store_url=url, broker_host=broker.host, broker_port=broker.port,
+                              client_id="dr-2")  # fmt: skip
+        box: list[str] = []
+        t = _drain(config, threading.Event(), box)
+        t.join(60)
+        assert box == ["taken over"]
+        wait_until(lambda: live.stats.connected, 15, "the live worker to have it back")
+    assert _at_broker(broker, "dr-2")  # kept: it was never the drain's to end

@@ -11,9 +11,11 @@ broker deletes the session. A session the broker does not have (``session presen
 ended at once. A message delivered while the drain stops is left unacked and the session
 kept: it is never acked without being stored, and never ended while it owes one.
 
-A drain gives way when another client takes the client id (a fleet serve still running
-with it), and when fleet serve stops: the session stays ``draining`` in the store and the
-next start drains it.
+A drain gives way when another client holds the client id (a fleet serve still running
+with it: the broker's "session taken over", or with Mosquitto, which closes the socket
+without saying why, the connection lost three times in a row within 5 s of being made),
+and when fleet serve stops: the session stays ``draining`` in the store and the next start
+drains it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ log = logging.getLogger(__name__)
 QUIET_S = 2.0
 #: Drains at once (each is one MQTT connection and one store connection).
 PARALLEL = 4
+#: A drain whose connection is lost SHORT_LIMIT times in a row, each within SHORT_S of being
+#: made, gives way (another client holds the client id: see _connection_lost).
+SHORT_S = 5.0
+SHORT_LIMIT = 3
 
 
 @dataclass(frozen=True)
@@ -65,9 +71,12 @@ class SessionDrainer(IngestWorker):
         self.present: bool | None = None
         self._left = threading.Event()  # the group is left (or there was nothing to leave)
         self._gone = threading.Event()  # another client took the session
+        self._connected_at = 0.0
+        self._short = 0  # connections in a row that lasted less than SHORT_S
         self._client.on_unsubscribe = self._on_unsubscribe
 
     def _after_connect(self, client: mqtt.Client, session_present: bool) -> None:
+        self._connected_at = time.monotonic()
         if self.present is None:
             self.present = session_present
         self._left.clear()
@@ -97,6 +106,15 @@ class SessionDrainer(IngestWorker):
             self.client_id,
         )
         self._gone.set()
+
+    def _connection_lost(self) -> None:
+        # Mosquitto 2.0.11 closes the socket of a client whose id another connection took,
+        # without the DISCONNECT that says so: two clients of one id take it from each other
+        # at every reconnect. A connection lost again and again right after it was made is
+        # that fight (or a broker too sick to drain into): give way.
+        self._short = self._short + 1 if time.monotonic() - self._connected_at < SHORT_S else 0
+        if self._short >= SHORT_LIMIT:
+            self._taken_over()
 
     def drain(self, stop: threading.Event) -> str:
         """Run until the session is empty and ended, taken over, or ``stop``: the outcome."""

@@ -236,11 +236,16 @@ class IngestWorker:
                 self._link.broker,
                 reason_code,
             )
+        self._connection_lost()
         self._retry_wait()
 
+    def _connection_lost(self) -> None:
+        """A connection ended while running (a drain counts how short they were)."""
+
     def _taken_over(self) -> None:
-        """The broker gave this client id to another connection (and will take it back when
-        this worker reconnects): two processes share the id, each losing it every second."""
+        """The broker said it gave this client id to another connection (MQTT 5 reason 142;
+        Mosquitto 2.0.11 just closes the socket): two processes share the id, each taking it
+        from the other at every reconnect."""
         log.warning(
             "ingest %s: another client connected with this client id and took the session "
             "(a second fleet serve with the same --client-id or node?)",
