@@ -46,6 +46,7 @@ from fleet.ingest.sessions import (
 from fleet.store import IngestSession
 from tests.mqtt_broker import Mosquitto, free_port, mosquitto
 from tests.pg import fresh_schema
+from tests.tcp_proxy import TcpProxy, target_of, via
 from tests.test_fleet_ingest import (
     REPO,
     Publisher,
@@ -224,6 +225,22 @@ def test_serve_exits_with_one_line_when_the_broker_is_never_reached(
         assert "(attempt 1)" in attempts[0]
         assert "(attempt 2)" in attempts[1]
     assert "Traceback" not in serve.text()
+
+
+def test_serve_exits_with_one_line_when_the_broker_refuses_it(tmp_path: Path) -> None:
+    plain = Mosquitto(tmp_path / "broker")
+    conf = plain.config_text().replace("allow_anonymous true", "allow_anonymous false")
+    with mosquitto(tmp_path / "broker", port=plain.port, config=conf) as broker:  # nobody may
+        where = f"{broker.host}:{broker.port}"
+        serve = Serve("--store", sqlite_url(tmp_path / "fleet.db"), "--broker", where,
+                      "--connect-timeout", "2", "--no-rollouts")  # fmt: skip
+        assert serve.finish(None) == 3, serve.text()
+    assert re.fullmatch(
+        rf"fleet: cannot connect to the MQTT broker {re.escape(where)} within 2 s: the broker "
+        r"refused the connection: Not authorized \(\d+ attempt\(s\)\)",
+        serve.lines[-1],
+    ), serve.text()
+    assert "cannot connect to" in serve.lines[-2]
 
 
 def test_serve_rides_out_a_broker_outage_says_so_and_stores_every_message(
@@ -451,7 +468,8 @@ def test_worker_count_changes_2_1_3_1_while_a_device_publishes_lose_and_hide_not
     tmp_path: Path, broker: Mosquitto, backend: str
 ) -> None:
     """Before, 2 -> 1 left the sessions -0 and -1 of the two workers unread (the one worker
-    was fleet-ingest-HOST) and the broker kept handing them a share of live messages."""
+    was fleet-ingest-HOST) and the broker kept handing them a share of live messages.
+    SIGKILL after 2 and 1 workers, SIGTERM after 3."""
     with contextlib.ExitStack() as stack:
         url = (
             sqlite_url(tmp_path / "fleet.db")
@@ -479,11 +497,12 @@ def _changes_lose_nothing(tmp_path: Path, broker: Mosquitto, url: str) -> None:
         return serve
 
     try:
+        # Shrinking after a crash and after a clean stop, growing after a crash.
         run(2).kill_all()  # SIGKILL: no flush, no ack, no DISCONNECT
-        run(1).finish()  # SIGTERM: a clean stop
+        run(1).kill_all()
         serve = run(3)
         assert not dev.delivered(), "the device must still be publishing"
-        serve.kill_all()
+        assert serve.finish() == 0, serve.text()  # SIGTERM: a clean stop
         last = run(1)
         wait_until(dev.delivered, 120, "the device's outbox to empty")
         wait_until(lambda: stored() == count, 60, f"all {count} seqs stored")
@@ -678,3 +697,25 @@ def test_a_drain_gives_way_to_a_client_running_the_session(
         assert box == ["taken over"]
         wait_until(lambda: live.stats.connected, 15, "the live worker to have it back")
     assert _at_broker(broker, "dr-2")  # kept: it was never the drain's to end
+
+
+def test_a_worker_process_whose_store_cannot_open_says_so_and_is_started_again(
+    broker: Mosquitto,
+) -> None:
+    with fresh_schema() as direct, TcpProxy(*target_of(direct)) as proxy:
+        url = via(direct, proxy.port)
+        opened(url).close()  # migrated: fleet serve's own store calls are not the point
+        serve = Serve(*_serve_args(url, broker, "--workers", "2", "--client-id", "pgcut",
+                                   "--connect-timeout", "90"))  # fmt: skip
+        try:
+            serve.wait_line(r"ingest sessions: running pgcut-ingest-0, pgcut-ingest-1", 60)
+            proxy.cut()  # the worker processes' store processes cannot connect
+            mark = serve.wait_line(r"ERROR ingest pgcut-ingest-\d: cannot start: store ", 60)
+            serve.wait_line(r"its process exited \(code 3\); starting it again", 30, mark)
+            proxy.restore()
+            serve.wait_line(r"pgcut-ingest-0 connected", 60, mark)
+            serve.wait_line(r"pgcut-ingest-1 connected", 60, mark)
+            assert serve.finish() == 0, serve.text()
+        finally:
+            serve.kill_all()
+    assert "Traceback" not in serve.text()

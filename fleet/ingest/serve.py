@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
-from fleet.errors import IngestError
+from fleet.errors import FleetError, IngestError
 from fleet.ingest.config import IngestConfig, IngestStats
 from fleet.ingest.drain import QUIET_S
 from fleet.ingest.keeper import SessionKeeper
@@ -45,7 +45,11 @@ def _worker_process(
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     worker = IngestWorker(config)
     try:
-        worker.start()
+        try:
+            worker.start()
+        except FleetError as exc:  # the store: one line, and fleet serve starts it again
+            log.error("ingest %s: cannot start: %s", config.client_id, exc)
+            raise SystemExit(3) from None
         while not stop.wait(TICK_S):
             reports.put((index, worker.stats.as_dict()))
             if os.getppid() != parent:
