@@ -1,12 +1,18 @@
 """The PostgreSQL the store tests use: ``EDGEFLEET_TEST_PG_URL`` (``.ci/run`` and ``make test``
 set it when a server answers). Without it the PostgreSQL cases skip, which CI turns into a
-failure (tests/conftest.py): CI always runs them."""
+failure (tests/conftest.py): CI always runs them.
+
+Every test (and benchmark) works in a schema of its own (:func:`private_schema`): the
+database is shared with other checkouts' runs and with the next CI, so nothing may be left in
+its public schema, least of all a schema version newer than the code CI will run.
+"""
 
 import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import psycopg
 import pytest
 
 
@@ -17,20 +23,28 @@ def pg_url() -> str:
     return url
 
 
-@contextmanager
-def fresh_schema() -> Iterator[str]:
-    """A URL of ``EDGEFLEET_TEST_PG_URL`` whose connections see only a schema of their own
-    (``search_path`` through the URL's ``options``), dropped afterwards: a test's tables,
-    ingest sessions included, never meet another test's."""
-    import psycopg  # noqa: PLC0415 - only the PostgreSQL cases need it
+def with_search_path(url: str, schema: str) -> str:
+    """``url`` whose sessions see ``schema`` first (and create their tables there)."""
+    sep = "&" if "?" in url else "?"
+    return f"{url}{sep}options=-csearch_path%3D{schema}&application_name={schema}"
 
-    base = pg_url()
+
+@contextmanager
+def private_schema(base: str) -> Iterator[str]:
+    """A new schema in the database at ``base``, as a URL whose search path is it; dropped
+    with everything in it on exit."""
     schema = f"t_{uuid.uuid4().hex}"
     with psycopg.connect(base, autocommit=True) as pg:
         pg.execute(f"CREATE SCHEMA {schema}".encode())
     try:
-        sep = "&" if "?" in base else "?"
-        yield f"{base}{sep}options=-csearch_path%3D{schema}"
+        yield with_search_path(base, schema)
     finally:
         with psycopg.connect(base, autocommit=True) as pg:
             pg.execute(f"DROP SCHEMA {schema} CASCADE".encode())
+
+
+@contextmanager
+def pg_schema_url() -> Iterator[str]:
+    """:func:`private_schema` of the test database (skips without one, as :func:`pg_url`)."""
+    with private_schema(pg_url()) as url:
+        yield url

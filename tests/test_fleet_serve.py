@@ -45,7 +45,7 @@ from fleet.ingest.sessions import (
 )
 from fleet.store import IngestSession
 from tests.mqtt_broker import Mosquitto, free_port, mosquitto
-from tests.pg import fresh_schema
+from tests.pg import pg_schema_url
 from tests.tcp_proxy import TcpProxy, target_of, via
 from tests.test_fleet_ingest import (
     REPO,
@@ -474,7 +474,7 @@ def test_worker_count_changes_2_1_3_1_while_a_device_publishes_lose_and_hide_not
         url = (
             sqlite_url(tmp_path / "fleet.db")
             if backend == "sqlite"
-            else stack.enter_context(fresh_schema())
+            else stack.enter_context(pg_schema_url())
         )
         _changes_lose_nothing(tmp_path, broker, url)
 
@@ -702,7 +702,7 @@ def test_a_drain_gives_way_to_a_client_running_the_session(
 def test_a_worker_process_whose_store_cannot_open_says_so_and_is_started_again(
     broker: Mosquitto,
 ) -> None:
-    with fresh_schema() as direct, TcpProxy(*target_of(direct)) as proxy:
+    with pg_schema_url() as direct, TcpProxy(*target_of(direct)) as proxy:
         url = via(direct, proxy.port)
         opened(url).close()  # migrated: fleet serve's own store calls are not the point
         serve = Serve(*_serve_args(url, broker, "--workers", "2", "--client-id", "pgcut",
