@@ -57,6 +57,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from fleet.ingest import IngestConfig, IngestStats, IngestWorker, serve
+from fleet.ingest.sessions import session_id
 from fleet.store import open_store
 from tests.mqtt_broker import Mosquitto, mosquitto
 from tests.pg import private_schema
@@ -242,10 +243,9 @@ def ingest_rate(
     )
     store = open_store(url)
     store.migrate()
-    # Create the sessions (and their shared subscriptions), then go offline.
-    ids = (
-        [config.client_id] if workers == 1 else [f"{config.client_id}-{i}" for i in range(workers)]
-    )
+    # Create the sessions (and their shared subscriptions) under the names fleet serve gives
+    # its workers, then go offline.
+    ids = [session_id(config.client_id, group, i) for i in range(workers)]
     for cid in ids:
         w = IngestWorker(replace(config, client_id=cid, migrate=False))
         w.start()
@@ -259,7 +259,7 @@ def ingest_rate(
     stats: list[IngestStats] = []
     deadline = time.monotonic() + 600
     if workers == 1:
-        worker = IngestWorker(replace(config, migrate=False))
+        worker = IngestWorker(replace(config, client_id=ids[0], migrate=False))
         worker.start()
         # Polled, not waited on: no need to be quick here (the clock is the worker's own
         # last commit), only not to take the GIL from the worker's threads too often.

@@ -3,8 +3,10 @@
 Every command reads the store named by ``--store`` or the environment variable
 ``FLEET_STORE``; the default is the SQLite file ``fleet.db`` in the current directory. A
 URL is ``sqlite:///abs/path.db`` or ``postgresql://user@host:5432/db``; a bare path is taken
-as a SQLite file. Listings print a table for people and, with ``--json``, JSON for scripts
-(one document; ``telemetry tail --follow --json`` prints one JSON object per line).
+as a SQLite file. Only ``fleet serve`` and ``rollout create`` make a SQLite file that does
+not exist; any other command names the file it tried and fails. Listings print a table for
+people and, with ``--json``, JSON for scripts (one document; ``telemetry tail --follow
+--json`` prints one JSON object per line).
 Diagnostics go to stderr. Exit codes: 0 ok, 1 not found / nothing to do, 2 bad usage,
 3 store or broker failure.
 """
@@ -46,6 +48,7 @@ from fleet.keys_cli import keys_app
 from fleet.pki_cli import broker_config_cmd, pki_app
 from fleet.rollout_cli import label as rollout_label
 from fleet.rollout_cli import rollout_app
+from fleet.sessions_cli import sessions_app
 from fleet.store import DeviceInfo, Gap
 
 ENV_MQTT_PASSWORD = "FLEET_MQTT_PASSWORD"  # noqa: S105 - a variable name, not a secret
@@ -145,6 +148,21 @@ def serve(
     store: StoreOpt = None,
     broker: Annotated[str, typer.Option(help="MQTT broker host:port.")] = "127.0.0.1:1883",
     workers: Annotated[int, typer.Option(min=1, max=64, help="Ingest workers.")] = 1,
+    connect_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Exit (code 3) if the workers have not reached the broker within this many "
+            "seconds of the start (0: keep trying); later outages are ridden out.",
+        ),
+    ] = 30.0,
+    status_interval: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Seconds between status lines on stderr: workers connected, counts (0: none).",
+        ),
+    ] = 60.0,
     auto_register: Annotated[
         bool,
         typer.Option(
@@ -158,7 +176,10 @@ def serve(
     group: Annotated[str, typer.Option(help="Shared-subscription group.")] = "ingest",
     client_id: Annotated[
         str,
-        typer.Option(help="Stable MQTT client id (persistent session; default: host-based)."),
+        typer.Option(
+            help="Prefix of the workers' MQTT client ids, PREFIX-GROUP-N, each a persistent "
+            "session the store records (default: fleet-ingest-HOSTNAME).",
+        ),
     ] = "",
     batch_max: Annotated[int, typer.Option(help="Messages per store transaction.")] = 500,
     batch_ms: Annotated[int, typer.Option(help="Longest wait to fill a batch (ms).")] = 50,
@@ -269,7 +290,14 @@ def serve(
         service = threading.Thread(target=rollouts_main, name="rollouts", daemon=True)
         service.start()
     try:
-        stats = run(config, workers=workers, duration=duration, stop=stop)
+        stats = run(
+            config,
+            workers=workers,
+            duration=duration,
+            stop=stop,
+            connect_timeout=connect_timeout or None,
+            status_interval=status_interval or None,
+        )
     except FleetError as exc:
         _fail(str(exc), EXIT_FAILURE)
     finally:
@@ -571,6 +599,7 @@ devices_app.command("label")(rollout_label)
 app.command("broker-config")(broker_config_cmd)
 app.add_typer(keys_app, name="keys")
 app.add_typer(bundle_app, name="bundle")
+app.add_typer(sessions_app, name="sessions")
 
 
 def main() -> None:

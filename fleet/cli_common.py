@@ -6,8 +6,10 @@ Exit codes: 0 ok, 1 not found / nothing to do, 2 bad usage, 3 store or broker fa
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, NoReturn
+from urllib.parse import unquote, urlsplit
 
 import typer
 
@@ -29,7 +31,7 @@ StoreOpt = Annotated[
         "--store",
         envvar=ENV_STORE,
         help="Store URL (sqlite:///abs/path.db, postgresql://...) or a SQLite file path "
-        "\\[default: ./fleet.db]",
+        "\\[default: ./fleet.db] (only fleet serve and rollout create make a missing file)",
         show_default=False,
     ),
 ]
@@ -51,11 +53,31 @@ def store_url(value: str | None) -> str:
     return f"sqlite://{Path(value).expanduser().resolve()}"
 
 
-def open_cli_store(value: str | None, *, migrate: bool = True) -> Store:
+def sqlite_file(url: str) -> Path | None:
+    """The file a ``sqlite://`` URL names; None for any other scheme."""
+    parts = urlsplit(url)
+    return Path(unquote(parts.path)) if parts.scheme.lower() == "sqlite" else None
+
+
+def _named_by(value: str | None) -> str:
+    if not value:
+        return f"the default ./fleet.db; name another with --store or {ENV_STORE}"
+    return ENV_STORE if os.environ.get(ENV_STORE) == value else "--store"
+
+
+def open_cli_store(value: str | None, *, migrate: bool = True, create: bool = False) -> Store:
     """The store of ``--store``, migrated unless ``migrate`` is False (a command that must
-    change nothing); a failure ends the command with exit code 3."""
+    change nothing); a failure ends the command with exit code 3.
+
+    A SQLite file that does not exist is that failure unless ``create``: a read command run
+    in the wrong folder would otherwise make an empty ``fleet.db`` and report an empty fleet.
+    """
+    url = store_url(value)
+    path = sqlite_file(url)
+    if not create and path is not None and not path.exists():
+        fail(f"store {path} does not exist ({_named_by(value)})", EXIT_FAILURE)
     try:
-        store = open_store(store_url(value))
+        store = open_store(url)
         if migrate:
             store.migrate()
     except FleetError as exc:

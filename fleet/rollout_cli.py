@@ -116,7 +116,7 @@ def create(  # noqa: PLR0917 - typer passes options as parameters
         selector = parse_selector(select)
     except PlanError as exc:
         _fail(str(exc), 2)
-    st = _open(store, migrate=not dry_run)
+    st = _open(store, migrate=not dry_run, create=not dry_run)
     try:
         r = create_rollout(
             st, bundle, artifacts=artifacts, selector=selector, params=params,

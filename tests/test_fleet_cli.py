@@ -246,6 +246,46 @@ def test_bad_store_url_is_a_clear_failure(tmp_path: Path) -> None:
     assert "mysql" in result.stderr
 
 
+READ_COMMANDS = [
+    ["devices", "list"],
+    ["devices", "show", "gw-a"],
+    ["devices", "label", "gw-a", "--tier", "canary"],
+    ["telemetry", "tail", "gw-a"],
+    ["decisions", "list"],
+    ["gaps"],
+    ["quarantine", "list"],
+    ["rollout", "list"],
+    ["rollout", "status", "r1"],
+    ["rollout", "pause", "r1"],
+    ["sessions", "list"],
+    ["sessions", "retire", "node-a"],
+]
+
+
+@pytest.mark.parametrize("command", READ_COMMANDS, ids=" ".join)
+def test_a_command_on_a_store_that_does_not_exist_names_it_and_creates_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: list[str]
+) -> None:
+    """Run in the wrong folder, a read made an empty ./fleet.db and showed an empty fleet."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FLEET_STORE", raising=False)
+    result = runner.invoke(app, command)
+    assert result.exit_code == 3, result.output
+    default = tmp_path.resolve() / "fleet.db"
+    assert result.stderr == (
+        f"fleet: store {default} does not exist (the default ./fleet.db; name another with "
+        "--store or FLEET_STORE)\n"
+    )
+    missing = tmp_path / "elsewhere" / "f.db"
+    result = runner.invoke(app, [*command, "--store", str(missing)])
+    assert result.exit_code == 3, result.output
+    assert result.stderr == f"fleet: store {missing} does not exist (--store)\n"
+    result = runner.invoke(app, command, env={"FLEET_STORE": f"sqlite://{missing}"})
+    assert result.exit_code == 3, result.output
+    assert result.stderr == f"fleet: store {missing} does not exist (FLEET_STORE)\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_store_url_and_since_parsing(tmp_path: Path) -> None:
     assert store_url(str(tmp_path / "f.db")) == f"sqlite://{tmp_path / 'f.db'}"
     assert store_url("postgresql://u@h/db") == "postgresql://u@h/db"

@@ -14,7 +14,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from fleet.store import (
     DeviceInfo,
     Gap,
     IngestResult,
+    IngestSession,
     Quarantined,
     Row,
     Store,
@@ -821,6 +822,29 @@ def test_rollout_requests_stay_pending_until_finished(store: Store) -> None:
         ("r1", "resume"),
         ("r2", "pause"),
     ]
+
+
+def test_ingest_sessions_are_recorded_kept_and_claimed_once(store: Store) -> None:
+    a0 = IngestSession("fi-h-ingest-0", "fi-h", "h", "ingest", 0, "b:1883", "active", T0, T0)
+    a1 = IngestSession("fi-h-ingest-1", "fi-h", "h", "ingest", 1, "b:1883", "active", T0, T0)
+    assert store.ingest_sessions() == []
+    assert store.save_ingest_sessions([a1, a0]) == 2
+    assert store.ingest_sessions() == [a0, a1]  # by client id
+    # A later write changes everything but the client id and when it was first recorded.
+    later = IngestSession(
+        "fi-h-ingest-1", "fi-h", "h2", "g", 1, "b2:1", "ended", T0 + SEC, T0 + 2 * SEC,
+        ended_ns=T0 + 2 * SEC, drained=42,
+    )  # fmt: skip
+    assert store.save_ingest_sessions([later]) == 1
+    assert store.ingest_sessions() == [a0, replace(later, created_ns=T0)]
+    # A claim changes a session only in the state it expects: one of two claims wins.
+    draining = replace(a0, state="draining", last_seen_ns=T0 + 3 * SEC)
+    assert store.save_ingest_sessions([draining], if_state="active") == 1
+    assert store.save_ingest_sessions([draining], if_state="active") == 0
+    unknown = replace(a0, client_id="nobody")
+    assert store.save_ingest_sessions([unknown], if_state="active") == 0
+    assert store.ingest_sessions()[0] == draining
+    assert [s.client_id for s in store.ingest_sessions()] == ["fi-h-ingest-0", "fi-h-ingest-1"]
 
 
 def test_postgres_store_reconnects_after_the_connection_drops(backend: Backend) -> None:

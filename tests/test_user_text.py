@@ -70,7 +70,7 @@ def test_fleet_serve_help_has_no_raw_markup_or_stray_spaces() -> None:
     assert "``" not in text
     assert not re.search(r"\S \.(\s|$)", text), text  # a space before a full stop
     assert "with --rollouts (the default)" in text
-    assert "(persistent session; default: host-based)" in text
+    assert "session the store records (default: fleet-ingest-HOSTNAME)" in text
     assert "artifact server (default: the bind address)" in text
     assert "[default: ./fleet.db]" in text
 

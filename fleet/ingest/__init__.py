@@ -5,6 +5,9 @@ One :class:`IngestWorker` is one MQTT v5 client in the shared-subscription group
 a session expiry and a stable client id), so messages published while it is down wait at the
 broker. Several workers, in threads or processes, on one or many hosts, split the stream;
 the store's idempotency on ``(device, boot_id, seq)`` makes any redelivery harmless.
+``fleet serve`` records every session it opens and drains those no worker reads any more
+(:mod:`fleet.ingest.sessions`, :mod:`fleet.ingest.drain`): the broker keeps handing an
+unread session its share of the group's messages.
 
 Delivery into the store::
 

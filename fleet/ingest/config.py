@@ -127,6 +127,12 @@ class IngestStats:
     #: they miss: messages a broker dropped for the ingest (or a device never sent).
     gaps: int = 0
     gap_seqs: int = 0
+    #: Attempts to connect to the broker that failed (refused, unresolvable, TLS, CONNACK).
+    connect_failures: int = 0
+    #: Connected to the broker now (per worker; :meth:`add` leaves it alone).
+    connected: bool = False
+    #: Why the worker is not connected (the last attempt's failure); None while connected.
+    link_error: str | None = None
     last_error: str | None = None
     #: UNIX ns of the first message received and of the last batch committed (rates).
     first_received_ns: int | None = None
@@ -144,6 +150,7 @@ class IngestStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("gaps", "gap_seqs"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.connect_failures += other.connect_failures
         for k, v in other.quarantined.items():
             self.quarantined[k] = self.quarantined.get(k, 0) + v
         self.last_error = other.last_error or self.last_error

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections import deque
@@ -29,6 +30,7 @@ from fleet.ingest.config import (
     backoff_s,
 )
 from fleet.ingest.gapwatch import GapWatch, gap_lines
+from fleet.ingest.link import Link, describe_connect_error
 from fleet.ingest.storeproc import DirectStore, StoreClient, StoreOps
 from fleet.store import Quarantined, open_store
 from fleet.store.base import QUARANTINE_PAYLOAD_MAX
@@ -36,14 +38,18 @@ from wire.topics import shared_subscription
 
 log = logging.getLogger(__name__)
 
+#: DISCONNECT reason: another connection took this client id (MQTT 5 "Session taken over").
+TAKEN_OVER = 142
+
 
 class IngestWorker:
     """One ingest client: paho's network thread, a writer thread, and (by default) a store
     process of its own (:class:`StoreClient`).
 
     ``start()`` returns once the writer thread runs; the MQTT connection is made and remade
-    in the background (jittered backoff). ``stop()`` commits and acks what it holds, then
-    disconnects; anything unacked is redelivered to the group later.
+    in the background (jittered backoff, each failure's reason logged: see :class:`Link`).
+    ``stop()`` commits and acks what it holds, then disconnects; anything unacked is
+    redelivered to the group later.
     """
 
     def __init__(self, config: IngestConfig) -> None:
@@ -64,6 +70,11 @@ class IngestWorker:
         #: Messages of connections before this one are skipped by the writer (resent).
         self._discard_before = 0
         self._stopping = threading.Event()
+        #: The writer holds messages it took from the inbox (a batch not yet committed).
+        self._busy = False
+        #: Messages left unacked while stopping (came then, or the store failed them then):
+        #: the session still owes them, so it must not be ended.
+        self._held_back = 0
         self._resync = threading.Event()
         self._ready = threading.Event()
         self._subscribed = threading.Event()
@@ -77,6 +88,12 @@ class IngestWorker:
             )
             if config.gap_check_s > 0
             else None
+        )
+        #: The level of the "connected" line (a drain looking for old sessions lowers it).
+        self.connect_log_level = logging.INFO
+        host = config.broker_host
+        self._link = Link(
+            f"[{host}]:{config.broker_port}" if ":" in host else f"{host}:{config.broker_port}"
         )
         self._client = self._make_client()
 
@@ -100,14 +117,12 @@ class IngestWorker:
                 tls_version=ssl.PROTOCOL_TLS_CLIENT,
             )
         client.on_connect = self._on_connect
+        client.on_connect_fail = self._on_connect_fail
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
         client.on_subscribe = self._on_subscribe
-        # Retry every second, no growing backoff: Mosquitto (2.0.11 tested) restores a
-        # persistent session after a restart but NOT its shared subscriptions, so until we
-        # resubscribe, messages published to the group are routed to nobody and lost. The
-        # ingest must be back before the devices are (they back off for longer).
-        client.reconnect_delay_set(min_delay=1, max_delay=1)
+        # paho's own wait is none: ours (jittered, logged) runs in _retry_wait.
+        client.reconnect_delay_set(min_delay=0, max_delay=0)
         return client
 
     def _connect_properties(self) -> Properties:
@@ -131,7 +146,8 @@ class IngestWorker:
         properties: Properties | None,
     ) -> None:
         if reason_code.is_failure:
-            self._note("connect", f"broker refused the connection: {reason_code}")
+            # The broker closes the connection next: _on_disconnect waits before the retry.
+            self._failed(f"the broker refused the connection: {reason_code}")
             return
         # Under the ack lock: the writer must never ack an old connection's mid on this one.
         with self._ack_lock:
@@ -143,14 +159,45 @@ class IngestWorker:
         self.stats.connects += 1
         if self._gaps is not None:
             self._gaps.connected(time.time_ns())
-        client.subscribe([(t, 1) for t in shared_subscription(self.config.group)])
-        log.info(
-            "ingest %s connected to %s:%d (session present: %s)",
+        back = self._link.up(time.monotonic())
+        self.stats.connected, self.stats.link_error = True, None
+        self._after_connect(client, flags.session_present)
+        if back is not None:
+            log.info("ingest %s: %s", self.client_id, back)
+        log.log(
+            self.connect_log_level,
+            "ingest %s connected to %s (session present: %s)",
             self.client_id,
-            self.config.broker_host,
-            self.config.broker_port,
+            self._link.broker,
             flags.session_present,
         )
+
+    def _after_connect(self, client: mqtt.Client, session_present: bool) -> None:
+        """Join the group (a drain leaves it instead: see fleet.ingest.drain)."""
+        client.subscribe([(t, 1) for t in shared_subscription(self.config.group)])
+
+    def _on_connect_fail(self, client: mqtt.Client, userdata: object) -> None:
+        # paho calls this from inside its `except OSError` around the connect attempt, so
+        # the exception being handled is the reason (paho passes none).
+        self._failed(describe_connect_error(sys.exc_info()[1]))
+        self._retry_wait()
+
+    def _failed(self, reason: str) -> None:
+        """An attempt to connect failed: count it, say why (see Link for how often)."""
+        self.stats.connect_failures += 1
+        line = self._link.failed(reason, time.monotonic())
+        self.stats.connected, self.stats.link_error = False, reason
+        self.stats.last_error = f"cannot connect to {self._link.broker}: {reason}"
+        if line is not None and not self._stopping.is_set():
+            log.warning("ingest %s: %s", self.client_id, line)
+
+    def _retry_wait(self) -> None:
+        """The jittered backoff before paho's next attempt (it waits for none itself); in
+        paho's thread, which has nothing else to do while there is no connection."""
+        if self._stopping.wait(self._link.retry_in()):
+            # Stopping without a connection: no ack can be sent any more (what is unacked is
+            # redelivered), so paho must not try again (its next attempt would not wait).
+            self._client.disconnect()
 
     def _on_subscribe(
         self,
@@ -182,13 +229,44 @@ class IngestWorker:
         # epoch so the writer skips them (the broker redelivers them instead).
         with self._ack_lock:
             self._epoch += 1
-        if not self._stopping.is_set():
-            log.warning("ingest %s disconnected: %s", self.client_id, reason_code)
+        was_up = self._link.connected
+        self._link.lost(str(reason_code), time.monotonic())
+        self.stats.connected = False
+        if self._stopping.is_set():
+            self._client.disconnect()  # no socket: paho's loop ends instead of reconnecting
+            return
+        if reason_code.value == TAKEN_OVER:
+            self._taken_over()
+            self.stats.link_error = "session taken over by another client with this client id"
+        elif was_up:
+            self.stats.link_error = f"connection lost: {reason_code}"
+            log.warning(
+                "ingest %s: connection to %s lost: %s",
+                self.client_id,
+                self._link.broker,
+                reason_code,
+            )
+        self._connection_lost()
+        self._retry_wait()
+
+    def _connection_lost(self) -> None:
+        """A connection ended while running (a drain counts how short they were)."""
+
+    def _taken_over(self) -> None:
+        """The broker said it gave this client id to another connection (MQTT 5 reason 142;
+        Mosquitto 2.0.11 just closes the socket): two processes share the id, each taking it
+        from the other at every reconnect."""
+        log.warning(
+            "ingest %s: another client connected with this client id and took the session "
+            "(a second fleet serve with the same --client-id or node?)",
+            self.client_id,
+        )
 
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
         if self._stopping.is_set():
             # Left unacked: the broker keeps it for this session. Taking more while stopping
             # would keep the writer (and stop()) busy for as long as traffic flows.
+            self._held_back += 1
             return
         # Every line here runs once per message in the thread that bounds the worker's
         # rate (see StoreClient): keep it to queueing.
@@ -255,13 +333,33 @@ class IngestWorker:
         )
         self._client.loop_start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Flush and ack what is held, then disconnect (the session stays at the broker)."""
+    def stop(self, timeout: float = 30.0, *, end_session: bool = False) -> bool:
+        """Flush and ack what is held, then disconnect: the session stays at the broker, or
+        with ``end_session`` the broker deletes it (MQTT 5 Session Expiry 0 on DISCONNECT),
+        but only if every message it delivered is stored and acked (else it stays, and
+        what it holds is redelivered later). Returns whether the session was ended."""
         self._stopping.set()
         if self._writer is not None:
             self._writer.join(timeout)
-        self._client.disconnect()
+        props = None
+        end = end_session and self.stats.connected and self.idle() and self._held_back == 0
+        if end:
+            props = Properties(PacketTypes.DISCONNECT)  # type: ignore[no-untyped-call]
+            props.SessionExpiryInterval = 0
+        elif end_session:
+            log.warning(
+                "ingest %s: session kept (messages unstored or unacked, or no connection)",
+                self.client_id,
+            )
+        self._client.disconnect(properties=props)
         self._client.loop_stop()
+        return end
+
+    def idle(self) -> bool:
+        """Nothing held: no message waits in the inbox, in a batch or for its PUBACK."""
+        # In this order: the writer sets _busy before it takes from the inbox and clears it
+        # after it queued the batch's acks.
+        return not self._inbox and not self._busy and not self._acks
 
     def __enter__(self) -> IngestWorker:
         self.start()
@@ -314,6 +412,7 @@ class IngestWorker:
             # Group commit: take what is waiting (up to batch_max); linger up to batch_ms
             # for more only while the batch is small, so a trickle is stored at once and a
             # flood is stored in big transactions.
+            self._busy = True
             batch: list[Incoming] = []
             deadline = time.monotonic() + batch_s
             while len(batch) < batch_max:
@@ -336,6 +435,7 @@ class IngestWorker:
             self._space.set()
             if batch:
                 self._commit_with_retry(store, batch)
+            self._busy = False
 
     def _audit_gaps(self, store: StoreOps, watch: GapWatch) -> None:
         """Every ``gap_check_s``: ask the store for new holes behind the messages received
@@ -386,6 +486,7 @@ class IngestWorker:
             # A refusal is the data's, not the moment's: no point retrying the same rows.
             refused = isinstance(error, StoreRefused)
             if self._stopping.is_set() and failures >= SPLIT_AFTER:
+                self._held_back += len(batch)
                 return  # unacked: the broker redelivers to the group
             if refused or failures >= SPLIT_AFTER:
                 if len(batch) > 1:

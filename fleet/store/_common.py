@@ -14,7 +14,14 @@ from typing import Any
 import msgspec
 
 from fleet.errors import FleetStoreError
-from fleet.store.base import DATA_KINDS, QUARANTINE_PAYLOAD_MAX, DeviceInfo, Gap, Row
+from fleet.store.base import (
+    DATA_KINDS,
+    QUARANTINE_PAYLOAD_MAX,
+    DeviceInfo,
+    Gap,
+    IngestSession,
+    Row,
+)
 from wire.topics import topic
 
 
@@ -304,3 +311,41 @@ def check_limit(limit: int) -> int:
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
         raise FleetStoreError(f"limit must be a non-negative int, got {limit!r}")
     return limit
+
+
+_SESSION_COLUMNS = (
+    "client_id", "prefix", "node", "group_name", "idx", "broker", "state", "created_ns",
+    "last_seen_ns", "ended_ns", "drained",
+)  # fmt: skip
+#: What a write changes: a session keeps its client id and the time it was first recorded.
+_SESSION_UPDATED = tuple(c for c in _SESSION_COLUMNS if c not in ("client_id", "created_ns"))
+#: Every column of ``ingest_sessions``, in :class:`IngestSession` field order.
+SESSIONS_SELECT = f"SELECT {', '.join(_SESSION_COLUMNS)} FROM ingest_sessions ORDER BY client_id"  # noqa: S608
+
+
+def sessions_sql(param: str, if_state: bool) -> str:
+    """Write one session (``param`` is the driver's placeholder): an upsert, or with
+    ``if_state`` an update of the row only while it is in that state."""
+    if if_state:
+        sets = ", ".join(f"{c} = {param}" for c in _SESSION_UPDATED)
+        return f"UPDATE ingest_sessions SET {sets} WHERE client_id = {param} AND state = {param}"  # noqa: S608
+    values = ", ".join(param for _ in _SESSION_COLUMNS)
+    sets = ", ".join(f"{c} = excluded.{c}" for c in _SESSION_UPDATED)
+    return (
+        f"INSERT INTO ingest_sessions ({', '.join(_SESSION_COLUMNS)}) VALUES ({values}) "  # noqa: S608
+        f"ON CONFLICT (client_id) DO UPDATE SET {sets}"
+    )
+
+
+def session_params(s: IngestSession, if_state: str | None) -> tuple[object, ...]:
+    """The parameters of :func:`sessions_sql` for ``s``."""
+    changed = (s.prefix, s.node, s.group, s.index, s.broker, s.state, s.last_seen_ns,
+               s.ended_ns, s.drained)  # fmt: skip
+    if if_state is None:
+        return (s.client_id, *changed[:6], s.created_ns, *changed[6:])
+    return (*changed, s.client_id, if_state)
+
+
+def session_rows(rows: Sequence[Sequence[Any]]) -> list[IngestSession]:
+    """Rows of :data:`SESSIONS_SELECT` (both drivers return str and int for its columns)."""
+    return [IngestSession(*r) for r in rows]

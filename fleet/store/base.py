@@ -87,6 +87,32 @@ class DeviceInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class IngestSession:
+    """One MQTT session of the ingest at the broker, as ``fleet serve`` records it (schema v3).
+
+    ``state``: ``active`` (a running fleet serve's worker reads it), ``stopped`` (its fleet
+    serve stopped cleanly; messages wait in it for the next start), ``draining`` (no worker
+    will read it: being emptied into the store), ``orphaned`` (its node is gone: any fleet
+    serve drains it), ``ended`` (drained and deleted at the broker).
+    """
+
+    client_id: str
+    #: The client id prefix of the fleet serve that owns it (``fleet-ingest-{node}``).
+    prefix: str
+    node: str
+    group: str
+    #: The worker index; -1 for a session named by an older version (no index).
+    index: int
+    broker: str
+    state: str
+    created_ns: int
+    last_seen_ns: int
+    ended_ns: int | None = None
+    #: Messages its drain stored.
+    drained: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Gap:
     """Seqs ``first_missing..last_missing`` (inclusive) of one boot that were never stored."""
 
@@ -261,6 +287,21 @@ class Store(Protocol):
         after)`` until a page is shorter than ``limit``. The body breaks ties because it
         holds the message's device, boot id and seq (the row's key): two rows never have
         the same, and if they did they would be the same report."""
+        ...
+
+    # -- ingest sessions (schema v3) ------------------------------------------------------
+
+    def ingest_sessions(self) -> list[IngestSession]:
+        """Every recorded ingest session, by client id."""
+        ...
+
+    def save_ingest_sessions(
+        self, sessions: Sequence[IngestSession], *, if_state: str | None = None
+    ) -> int:
+        """Write ``sessions`` in one transaction (by client id; a known session keeps its
+        ``created_ns``); return how many were written. With ``if_state``, only sessions
+        recorded in that state are changed (a claim: of two fleet serves taking the same
+        orphan, one gets it)."""
         ...
 
     def ping(self) -> None:

@@ -24,6 +24,9 @@ Tables:
   ``critical``); ``rollouts``: one JSON document per rollout (its whole state, written by the
   orchestrator at every change); ``rollout_requests``: pause/resume/abort asked by the CLI,
   taken by the orchestrator; an index to read ``ota/status`` messages by arrival.
+- (v3) ``ingest_sessions``: the MQTT sessions ``fleet serve`` opened at the broker, by client
+  id, with the prefix and node that own them, group, worker index, broker, state (active,
+  stopped, draining, orphaned, ended) and the messages a drain stored from each.
 - (v5) ``ingest_gaps``: seq ranges the ingest found missing while it ran (a hole behind a
   message that arrived, still open after a grace period; see :mod:`fleet.ingest.gapwatch`),
   one row per ``(device, boot_id, first_missing)``, so several workers auditing the same
@@ -177,6 +180,38 @@ CREATE TABLE rollout_requests (
 CREATE INDEX messages_kind_received ON messages (kind, received_ns)
 """
 
+_V3_SQLITE = """
+CREATE TABLE ingest_sessions (
+    client_id TEXT PRIMARY KEY,
+    prefix TEXT NOT NULL,
+    node TEXT NOT NULL,
+    group_name TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    broker TEXT NOT NULL,
+    state TEXT NOT NULL,
+    created_ns INTEGER NOT NULL,
+    last_seen_ns INTEGER NOT NULL,
+    ended_ns INTEGER,
+    drained INTEGER NOT NULL DEFAULT 0
+)
+"""
+
+_V3_POSTGRES = """
+CREATE TABLE ingest_sessions (
+    client_id TEXT PRIMARY KEY,
+    prefix TEXT NOT NULL,
+    node TEXT NOT NULL,
+    group_name TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    broker TEXT NOT NULL,
+    state TEXT NOT NULL,
+    created_ns BIGINT NOT NULL,
+    last_seen_ns BIGINT NOT NULL,
+    ended_ns BIGINT,
+    drained BIGINT NOT NULL DEFAULT 0
+)
+"""
+
 _V5_SQLITE = """
 CREATE TABLE ingest_gaps (
     device TEXT NOT NULL,
@@ -202,6 +237,7 @@ CREATE TABLE ingest_gaps (
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "registry, boots, messages, quarantine", _V1_SQLITE, _V1_POSTGRES),
     Migration(2, "rollouts, rollout requests, device labels", _V2_SQLITE, _V2_POSTGRES),
+    Migration(3, "ingest sessions", _V3_SQLITE, _V3_POSTGRES),
     Migration(5, "gaps the ingest found while it ran", _V5_SQLITE, _V5_POSTGRES),
 )
 

@@ -23,6 +23,7 @@ from fleet.store.base import (
     DeviceInfo,
     Gap,
     IngestResult,
+    IngestSession,
     Quarantined,
     Row,
     redact_url,
@@ -578,6 +579,27 @@ class PostgresStore:
             return [(int(r[0]), bytes(r[1])) for r in rows]
 
         return self._run("ota_status_since", go)
+
+    # -- ingest sessions -----------------------------------------------------------------
+
+    def ingest_sessions(self) -> list[IngestSession]:
+        return self._run(
+            "ingest_sessions",
+            lambda db: _common.session_rows(db.execute(_common.SESSIONS_SELECT).fetchall()),
+        )
+
+    def save_ingest_sessions(
+        self, sessions: Sequence[IngestSession], *, if_state: str | None = None
+    ) -> int:
+        sql = _common.sessions_sql("%s", if_state is not None).encode()
+
+        def go(db: psycopg.Connection[tuple[Any, ...]]) -> int:
+            with db.transaction():
+                return sum(
+                    db.execute(sql, _common.session_params(s, if_state)).rowcount for s in sessions
+                )
+
+        return self._run("save_ingest_sessions", go)
 
     def ping(self) -> None:
         # A standby (a failover that left us on the wrong server) or a database set

@@ -31,6 +31,7 @@ from fleet.store.base import (
     DeviceInfo,
     Gap,
     IngestResult,
+    IngestSession,
     Quarantined,
     Row,
 )
@@ -544,6 +545,27 @@ class SqliteStore:
             return [(int(r[0]), bytes(r[1])) for r in rows]
 
         return self._run("ota_status_since", go)
+
+    # -- ingest sessions -----------------------------------------------------------------
+
+    def ingest_sessions(self) -> list[IngestSession]:
+        return self._run(
+            "ingest_sessions",
+            lambda db: _common.session_rows(db.execute(_common.SESSIONS_SELECT).fetchall()),
+        )
+
+    def save_ingest_sessions(
+        self, sessions: Sequence[IngestSession], *, if_state: str | None = None
+    ) -> int:
+        sql = _common.sessions_sql("?", if_state is not None)
+
+        def go(db: sqlite3.Connection) -> int:
+            with self._write(db):
+                return sum(
+                    db.execute(sql, _common.session_params(s, if_state)).rowcount for s in sessions
+                )
+
+        return self._run("save_ingest_sessions", go)
 
     def ping(self) -> None:
         # "SELECT 1" answers even while another connection holds the write lock (a VACUUM,
