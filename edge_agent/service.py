@@ -51,6 +51,7 @@ from drivers.buffer import SampleBuffer
 from drivers.errors import DriverError
 from drivers.source import Source, open_source
 from edge_agent import __version__
+from edge_agent.acquisition import ContractReport, contract_check
 from edge_agent.api import HealthApi
 from edge_agent.config import AgentConfig
 from edge_agent.errors import ModelMismatch, ReasoningError, ServiceError
@@ -237,6 +238,7 @@ class Agent:
                 agent_version=__version__,
                 state_dir=config.state_dir,
                 model_sha256=self._model_sha256,
+                model_health=self.model_health,
                 priority=self._uplink_priority(),
                 clock_ns=clock_ns,
                 on_command=self._on_command,
@@ -572,6 +574,8 @@ class Agent:
             return
         window = item.window
         d = stage.process(window, self.clock_ns(), item.perception_ms, item.memory_ms)
+        if d.notices:
+            self._on_notices(d)
         if self.memory is not None:
             self.memory.record_decision(d, now_ns=d.t_ns, window_seq=d.window_seq)
         if self.uplink is not None:
@@ -607,6 +611,41 @@ class Agent:
             log.log(level, "%s", describe(d))
         if self._on_decision_cb is not None:
             self._on_decision_cb(d)
+
+    def _on_notices(self, d: Decision) -> None:
+        """A change of the model's health on this decision: logged once, stored as a
+        memory event, counted (status, metrics), and the retained state published again
+        so the fleet's registry shows it; the decision itself carries the notice upstream."""
+        for n in d.notices:
+            text = f"{n.kind} {n.state}" + (f": {n.reason}" if n.reason else "")
+            if n.state == "raised":
+                log.warning("reasoning: %s (decisions are marked until it clears)", text)
+            else:
+                log.info("reasoning: %s", text)
+            if self.memory is not None:
+                self.memory.record_event(
+                    n.kind if n.state == "raised" else f"{n.kind}_cleared",
+                    t_ns=d.t_ns,
+                    signal=n.signals[0] if len(n.signals) == 1 else None,
+                    detail=n.to_json(),
+                )
+        if self.uplink is not None:
+            self.uplink.announce()
+
+    def model_health(self) -> dict[str, object] | None:
+        """The serving model's health for the retained state (None when all is well)."""
+        stage = self.stage
+        if stage is None:
+            return None
+        h = stage.health
+        mismatch = stage.prepared.acquisition_mismatch
+        if not (h.ood.active or h.storm.active or mismatch):
+            return None
+        return {
+            "ood": list(h.ood.active),
+            "alarm_storm": h.storm.active,
+            "acquisition_mismatch": mismatch,
+        }
 
     def _publish_telemetry(self, agg: Aggregate) -> None:
         """One period's statistics (a keyframe, or only what moved) into the current batch;
@@ -662,11 +701,16 @@ class Agent:
         return code, {"result": outcome.result, "reason": outcome.reason, "code": outcome.code}
 
     def health_status(self) -> str:
-        """``ok``, or ``degraded`` when a source is down, reasoning degraded or a stage failing."""
+        """``ok``, or ``degraded`` when a source is down, reasoning degraded, the model's
+        inputs out of distribution or its alarms a storm, or a stage failing."""
         if not all(self.sources_up().values()):
             return "degraded"
         if self.stage is not None and self.stage.breaker.mode != "full":
             return "degraded"
+        if self.stage is not None and (
+            self.stage.health.ood.active or self.stage.health.storm.active
+        ):
+            return "degraded"  # the model's verdicts cannot be trusted (edge_agent.ood)
         if self.uplink is not None and not self.uplink.stats().get("connected"):
             return "degraded"
         if any(
@@ -697,7 +741,14 @@ class Agent:
                 raise ReasoningError(f"reasoning: cannot load {where}: {exc}") from None
             return stage.prepare(model)
 
-        prepared = await asyncio.to_thread(load)
+        try:
+            prepared = await asyncio.to_thread(load)
+        except ModelMismatch as exc:
+            # Its rules or its input contract do not fit this config: the old model serves.
+            stage.stats.swaps_refused += 1
+            log.error("model swap refused, the serving model stays: %s", exc)
+            raise
+        log_contract(prepared.contract)
         t0 = time.perf_counter_ns()
         old = stage.swap(prepared)
         #: What the swap itself held the loop for, ns (bench.ota reports it).
@@ -886,11 +937,15 @@ def _numpy_reason(jit: bool | None) -> str:
     return unavailable_reason() or "compiled kernels unavailable"
 
 
-def build_stage(config: AgentConfig) -> ReasoningStage:
+def build_stage(config: AgentConfig, *, contract: bool = True) -> ReasoningStage:
     """Load the configured model and build the stage. Raises :class:`ReasoningError`.
 
     Called once at start, before the event loop has other work: the file read and hash
     (a few ms) block nothing yet. Swaps later load in a thread (see :meth:`Agent.reload_model`).
+    With ``contract`` (the agent always), every model the stage prepares is checked against
+    the config's acquisition (:mod:`edge_agent.acquisition`): a mismatch is a
+    :class:`ModelMismatch` unless ``[reasoning] acquisition = "accept-mismatch"``, which
+    is logged once here. ``check-config`` passes False and reports the findings itself.
     """
     rc = config.reasoning
     where = str(rc.model_dir) if rc.model_dir is not None else "the committed default model"
@@ -899,7 +954,13 @@ def build_stage(config: AgentConfig) -> ReasoningStage:
     except ModelError as exc:
         raise ReasoningError(f"reasoning: cannot load {where}: {exc}") from None
     try:
-        stage = ReasoningStage(model, rc.rules, perception=config.perception, breaker=rc.breaker)
+        stage = ReasoningStage(
+            model,
+            rc.rules,
+            perception=config.perception,
+            breaker=rc.breaker,
+            contract=contract_check(config) if contract else None,
+        )
     except ModelMismatch as exc:
         raise ModelMismatch(f"reasoning: {where} does not fit this config: {exc}") from None
     m = model.manifest
@@ -912,7 +973,24 @@ def build_stage(config: AgentConfig) -> ReasoningStage:
         rc.threads,
         "compiled" if model.jit else f"numpy ({_numpy_reason(rc.jit)})",
     )
+    log_contract(stage.prepared.contract)
     return stage
+
+
+def log_contract(report: ContractReport | None) -> None:
+    """Once per model put in service: a contract run anyway, or one that was not checked."""
+    if report is None:
+        return
+    if report.mismatch and report.accepted:
+        log.warning(
+            "reasoning: %s runs although this config does not deliver its inputs as it was "
+            'trained ([reasoning] acquisition = "accept-mismatch"); every decision is marked '
+            "acquisition_mismatch: %s",
+            report.model,
+            "; ".join(str(f) for f in report.errors),
+        )
+    elif not report.checked:
+        log.info("reasoning: %s: %s", report.model, "; ".join(report.notes))
 
 
 def describe(d: Decision) -> str:
