@@ -51,12 +51,13 @@ from drivers.buffer import SampleBuffer
 from drivers.errors import DriverError
 from drivers.source import Source, open_source
 from edge_agent import __version__
-from edge_agent.acquisition import ContractReport, contract_check
+from edge_agent.acquisition import contract_check
 from edge_agent.api import HealthApi
 from edge_agent.config import AgentConfig
 from edge_agent.errors import ModelMismatch, ReasoningError, ServiceError
 from edge_agent.gates import GateScheduler, uplink_priority
 from edge_agent.gcl import STAGES
+from edge_agent.health_report import log_contract, report_notices, state_health
 from edge_agent.memory.stage import MemoryStage
 from edge_agent.metrics import AgentMetrics
 from edge_agent.ota import AgentOta
@@ -575,7 +576,7 @@ class Agent:
         window = item.window
         d = stage.process(window, self.clock_ns(), item.perception_ms, item.memory_ms)
         if d.notices:
-            self._on_notices(d)
+            report_notices(d, self.memory, self.uplink)
         if self.memory is not None:
             self.memory.record_decision(d, now_ns=d.t_ns, window_seq=d.window_seq)
         if self.uplink is not None:
@@ -612,40 +613,9 @@ class Agent:
         if self._on_decision_cb is not None:
             self._on_decision_cb(d)
 
-    def _on_notices(self, d: Decision) -> None:
-        """A change of the model's health on this decision: logged once, stored as a
-        memory event, counted (status, metrics), and the retained state published again
-        so the fleet's registry shows it; the decision itself carries the notice upstream."""
-        for n in d.notices:
-            text = f"{n.kind} {n.state}" + (f": {n.reason}" if n.reason else "")
-            if n.state == "raised":
-                log.warning("reasoning: %s (decisions are marked until it clears)", text)
-            else:
-                log.info("reasoning: %s", text)
-            if self.memory is not None:
-                self.memory.record_event(
-                    n.kind if n.state == "raised" else f"{n.kind}_cleared",
-                    t_ns=d.t_ns,
-                    signal=n.signals[0] if len(n.signals) == 1 else None,
-                    detail=n.to_json(),
-                )
-        if self.uplink is not None:
-            self.uplink.announce()
-
     def model_health(self) -> dict[str, object] | None:
         """The serving model's health for the retained state (None when all is well)."""
-        stage = self.stage
-        if stage is None:
-            return None
-        h = stage.health
-        mismatch = stage.prepared.acquisition_mismatch
-        if not (h.ood.active or h.storm.active or mismatch):
-            return None
-        return {
-            "ood": list(h.ood.active),
-            "alarm_storm": h.storm.active,
-            "acquisition_mismatch": mismatch,
-        }
+        return state_health(self.stage)
 
     def _publish_telemetry(self, agg: Aggregate) -> None:
         """One period's statistics (a keyframe, or only what moved) into the current batch;
@@ -975,22 +945,6 @@ def build_stage(config: AgentConfig, *, contract: bool = True) -> ReasoningStage
     )
     log_contract(stage.prepared.contract)
     return stage
-
-
-def log_contract(report: ContractReport | None) -> None:
-    """Once per model put in service: a contract run anyway, or one that was not checked."""
-    if report is None:
-        return
-    if report.mismatch and report.accepted:
-        log.warning(
-            "reasoning: %s runs although this config does not deliver its inputs as it was "
-            'trained ([reasoning] acquisition = "accept-mismatch"); every decision is marked '
-            "acquisition_mismatch: %s",
-            report.model,
-            "; ".join(str(f) for f in report.errors),
-        )
-    elif not report.checked:
-        log.info("reasoning: %s: %s", report.model, "; ".join(report.notes))
 
 
 def describe(d: Decision) -> str:
