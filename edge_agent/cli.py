@@ -111,20 +111,44 @@ def check_config(
             open_source(spec)
         except DriverError as exc:
             errors.append(f"sources {spec.name!r}: {exc}")
+    notes: list[str] = []
     if cfg.reasoning.enabled:
+        from edge_agent.acquisition import contract_check  # noqa: PLC0415
         from edge_agent.service import build_stage  # noqa: PLC0415 - loads the model
 
-        # The labels named by rules and thresholds are known only to the model.
+        # The labels named by rules and thresholds are known only to the model, and so is
+        # the acquisition it was trained for.
         try:
-            build_stage(cfg)
+            stage = build_stage(cfg, contract=False)
         except ReasoningError as exc:
             errors.append(str(exc))
+        else:
+            errors_before = len(errors)
+            report = contract_check(cfg)(stage.model.manifest)
+            for f in report.findings:
+                line = f"reasoning.acquisition: {f}"
+                if f.severity == "note":
+                    notes.append(line)
+                elif report.accepted:
+                    notes.append(f"{line} (run anyway: acquisition = accept-mismatch)")
+                else:
+                    errors.append(line)
+            notes += [f"reasoning.acquisition: {n}" for n in report.notes]
+            if len(errors) > errors_before:
+                errors.append(
+                    f"reasoning.acquisition: {report.model} was trained for another "
+                    "acquisition: retrain it for this config, change the config, or set "
+                    '[reasoning] acquisition = "accept-mismatch" to run it anyway (every '
+                    "decision is then marked)"
+                )
     if errors:
         typer.echo(f"{file}: {len(errors)} error(s) in config", err=True)
         for e in errors:
             typer.echo(f"  {e}", err=True)
+        for note in notes:
+            typer.echo(f"  note: {note}", err=True)
         raise typer.Exit(2)
-    for note in cfg.schedule.notes(rate_hz=cfg.perception.rate_hz):
+    for note in [*cfg.schedule.notes(rate_hz=cfg.perception.rate_hz), *notes]:
         typer.echo(f"{file}: note: {note}", err=True)
     typer.echo(
         f"{file}: ok ({len(cfg.sources)} source(s), {len(cfg.perception.signals)} signal(s), "

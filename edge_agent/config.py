@@ -156,6 +156,7 @@ class ReasoningSection(StrictModel):
     budget_ms: BudgetSection = Field(default_factory=BudgetSection)
     breaker: BreakerSection = Field(default_factory=BreakerSection)
     rules: Annotated[list[RuleSection], Field(max_length=256)] = Field(default_factory=list)
+    acquisition: Literal["check", "accept-mismatch"] = "check"
 
 
 class AgentConfigModel(StrictModel):
@@ -181,7 +182,9 @@ class ReasoningConfig:
     ``jit`` is :func:`models.load_model`'s: None where the compiled kernels can run, True
     (required: loading fails without them), False (numpy).
     Labels named by ``rules`` and ``thresholds`` are checked against the model when it is
-    loaded (the config alone does not know them).
+    loaded (the config alone does not know them). ``acquisition``: ``check`` refuses a
+    model whose input contract the sources do not meet (``edge_agent.acquisition``);
+    ``accept-mismatch`` runs it anyway, warns once and marks every decision.
     """
 
     enabled: bool
@@ -192,6 +195,7 @@ class ReasoningConfig:
     rules: RuleSet
     breaker: BreakerSpec
     budget_ms: Mapping[str, float]
+    acquisition: Literal["check", "accept-mismatch"] = "check"
 
 
 @dataclass(frozen=True, slots=True)
@@ -580,6 +584,7 @@ def _convert(model: AgentConfigModel, path: Path, base: Path) -> AgentConfig:
             probe_every=rs.breaker.probe_every,
         ),
         budget_ms=budgets,
+        acquisition=rs.acquisition,
     )
     return AgentConfig(
         path=path,

@@ -37,6 +37,8 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
+from edge_agent.metrics_health import health_families
+
 log = logging.getLogger(__name__)
 
 STAGES = ("perception", "memory", "reasoning")
@@ -114,6 +116,7 @@ class ReasoningStatus(TypedDict, total=False):
     model: ModelStatus
     swaps: int
     swaps_refused: int
+    model_health: Mapping[str, Any]  # ood, alarm_storm, acquisition (metrics_health.py)
     queue: QueueStatus  # before the gate scheduler; now ``queues.reasoning``
     latency_us: Mapping[str, LatencyStatus]  # perception, reasoning
 
@@ -476,6 +479,7 @@ def _families(s: Mapping[str, Any], out: _Out) -> None:
         status_at(reasoning, "model"),
         ("name", "version", "sha256"),
     )
+    health_families(status_at(reasoning, "model_health"), out)
 
     breaker = status_at(reasoning, "breaker")
     state = status_at(breaker, "state")

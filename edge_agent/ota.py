@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge_agent import __version__
+from edge_agent.acquisition import contract_check
 from edge_agent.config import parse_config
 from edge_agent.errors import AgentError, ConfigError, ReasoningError
 from edge_agent.ota_config import OtaSection, ota_dir
@@ -43,6 +44,8 @@ from edge_agent.probe import parse_probe
 from firmware.boot import ENV_SLOT, parse_slot_env
 from firmware.errors import RollbackUnavailable
 from firmware.slots import Slots
+from models.errors import ModelRejected
+from models.runtime import ModelManifest
 from ota.errors import ActivationError, StorageError
 from ota.machine import Installed, Journal, recover
 from ota.probation import Baseline, Observation
@@ -88,6 +91,7 @@ class AgentOta:
                 permissions=frozenset(section.permissions),
                 max_bundle_bytes=section.max_bundle_mb * 1024 * 1024,
                 windows_per_s=agent.windows_per_s(),
+                model_check=self._model_check,
             ),
             activator=self,
             on_transition=self._on_transition,
@@ -116,6 +120,26 @@ class AgentOta:
         self.factory_sha = ""
         #: The config file as the agent started with it: what a config rollback returns to.
         self._factory_config = agent.config
+
+    def _model_check(self, manifest: bytes) -> str:
+        """Why an offered model must not be staged here ("" if it may): its input contract
+        against this device's config (``edge_agent.acquisition``). Runs in the verifier's
+        thread, on the bundle's verified ``model.json``."""
+        config = self.agent.config
+        if not config.reasoning.enabled:
+            return ""
+        try:
+            doc = json.loads(manifest)
+            parsed = ModelManifest.from_json(doc, source="model.json")
+        except (ValueError, ModelRejected) as exc:
+            return f"model.json is not a model manifest this agent reads: {exc}"
+        report = contract_check(config)(parsed)
+        if report.refused:
+            return (
+                "the model was trained for another acquisition than this device's config "
+                f"delivers: {report.brief()} (edge-agent check-config shows each finding)"
+            )
+        return ""
 
     # -- start ------------------------------------------------------------------------------
 
@@ -329,7 +353,7 @@ class AgentOta:
         ):
             changed.insert(0, "agent")
         cr, nr = cur.reasoning, new.reasoning
-        for key in ("enabled", "backend", "threads", "breaker", "budget_ms"):
+        for key in ("enabled", "backend", "threads", "breaker", "budget_ms", "acquisition"):
             if getattr(cr, key) != getattr(nr, key):
                 changed.append(f"reasoning.{key}")
         if changed:

@@ -79,13 +79,14 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from edge_agent.breaker import Breaker, BreakerSpec
 from edge_agent.errors import ModelMismatch
+from edge_agent.ood import HealthSpec, ModelHealth, Notice
 from edge_agent.perception import PerceptionSpec, Window
 from edge_agent.rules import (
     DROPOUT,
@@ -100,7 +101,11 @@ from edge_agent.rules import (
     dropout_finding,
 )
 from models import ModelManifest
+from models.kernels import kernels
 from models.runtime import ColumnMedian
+
+if TYPE_CHECKING:
+    from edge_agent.acquisition import ContractReport
 
 FloatArray = npt.NDArray[np.float32]
 T = TypeVar("T")
@@ -146,6 +151,12 @@ class PreparedModel:
     #: The model's, copied here: every decision records them.
     sha256: str
     version: str
+    #: The input contract against this agent's config (None: not checked, e.g. a bench);
+    #: ``contract.mismatch`` with ``contract.accepted``: every decision is marked.
+    contract: ContractReport | None = None
+    acquisition_mismatch: bool = False
+    #: The training ranges the inputs are watched against (None: no ``input_stats``).
+    input_bounds: FloatArray | None = None
 
 
 class DropOldestQueue(Generic[T]):
@@ -201,6 +212,8 @@ class StageStats:
     attributions: int = 0
     swaps: int = 0
     swaps_refused: int = 0
+    #: Windows whose model alarm was masked because the inputs were out of distribution.
+    ood_masked: int = 0
     labels: Counter[str] = field(default_factory=Counter)
     #: Windows scored per model sha256 (a hot swap shows up here).
     by_model: Counter[str] = field(default_factory=Counter)
@@ -260,6 +273,8 @@ class ReasoningStage:
         perception: PerceptionSpec | None = None,
         breaker: BreakerSpec | None = None,
         timer: Callable[[], int] = time.perf_counter_ns,
+        contract: Callable[[ModelManifest], ContractReport] | None = None,
+        health: HealthSpec | None = None,
     ) -> None:
         m = model.manifest
         self.perception = perception or PerceptionSpec(
@@ -269,8 +284,14 @@ class ReasoningStage:
         self.breaker = Breaker(breaker or BreakerSpec())
         self.timer = timer
         self.stats = StageStats()
+        #: Checks a model's input contract against the agent's config in prepare() (None:
+        #: not checked); a refused contract is a ModelMismatch.
+        self.contract = contract
         self._active = self.prepare(model)
         self._seen = self._active
+        #: The model-health monitors' horizons and shares (edge_agent.ood).
+        self.health_spec = health or HealthSpec()
+        self.health = _health_of(self._active, self.health_spec)
         self.tracker = AlarmTracker(rules.hysteresis)
         self._held: tuple[str, float] = (NORMAL, float("nan"))
         # Trace ids: 16 random hex digits per stage instance + a counter, 32 in all like a
@@ -287,6 +308,16 @@ class ReasoningStage:
     def model(self) -> Scorer:
         """The model serving now."""
         return self._active.model
+
+    def new_health(self) -> ModelHealth:
+        """Fresh monitors for the serving model under :attr:`health_spec` (what a swap
+        gets; tests set a shorter spec and call this)."""
+        return _health_of(self._active, self.health_spec)
+
+    @property
+    def prepared(self) -> PreparedModel:
+        """The serving model as prepared (its contract, its training ranges)."""
+        return self._active
 
     def prepare(self, model: Scorer) -> PreparedModel:
         """Check ``model`` against this stage and compile the rules for it.
@@ -319,6 +350,9 @@ class ReasoningStage:
             compiled = self.rules.compile(m.labels, per.signals, m.thresholds)
         except RulesError as exc:
             errors.append(str(exc))
+        report = self.contract(m) if self.contract is not None else None
+        if report is not None and report.refused:
+            errors.append(report.refusal())
         if errors or compiled is None:
             raise ModelMismatch(
                 f"model {m.name} {m.version} ({model.sha256[:12]}): " + "; ".join(errors)
@@ -354,6 +388,9 @@ class ReasoningStage:
             keep_one=keep_one,
             sha256=model.sha256,
             version=m.version,
+            contract=report,
+            acquisition_mismatch=report is not None and report.mismatch,
+            input_bounds=m.input_stats.bounds(m.signals) if m.input_stats is not None else None,
         )
         # The first attribution in a process also pays one-time costs (ms: the batched
         # interpreter's first invoke allocates): pay them here, not on the first alarm.
@@ -412,12 +449,15 @@ class ReasoningStage:
         """Decide about one window. ``now_ns`` (UNIX ns) becomes the decision's ``t_ns``."""
         t0 = self.timer()
         active = self._active  # read once: a swap never splits a window
+        notices: list[Notice] = []
         if active is not self._seen:
             # First window of a swapped-in model. Alarm states of labels it does not have
             # could never clear: drop them (done here, not in swap(), so that swap() stays
-            # a single assignment).
+            # a single assignment). Its inputs are watched against its own statistics.
             self._seen = active
             self.tracker.forget((*active.rules.labels, DROPOUT))
+            notices += self.health.reset(window.end_ns, "another model serves")
+            self.health = _health_of(active, self.health_spec)
         rules = active.rules
         breaker = self.breaker
         mode = breaker.mode
@@ -432,11 +472,26 @@ class ReasoningStage:
         top: tuple[tuple[str, float], ...] = ()
         attribution = "none"
         tracker = self.tracker
+        health = self.health
         ran = breaker.should_run()
         unchanged = False
         if ran:
-            values, plist = _score(active, window, self._held_signals(window, any_stale))
+            held = self._held_signals(window, any_stale)
+            values, plist = _score(active, window, held)
             label, score, quiet = rules.verdict(plist, allowed)
+            if held is not None and active.columns is not None:
+                held = held[active.columns]
+            got = health.observe(values, held, label if label != NORMAL else None, window.end_ns)
+            if got:
+                notices += got
+            ood = health.ood.active
+            if ood:
+                # Out of distribution: every model label is masked (see edge_agent.ood).
+                if label != NORMAL:
+                    self.stats.ood_masked += 1
+                label, score, quiet = NORMAL, float(plist[0]), True
+                allowed = [True] + [False] * (len(allowed) - 1)
+                fired.append(_ood_firing(ood))
             # Every label below its band and every alarm clear (the usual window): the
             # tracker would change nothing, so its input is not built nor fed.
             unchanged = quiet and finding is None and tracker.settled()
@@ -448,6 +503,9 @@ class ReasoningStage:
                 top, attribution = _occlusion(active, values, label, score)
         else:
             label, score = self._held
+            ood = health.ood.active
+            if ood:
+                fired.append(_ood_firing(ood))
         # Remembered whether or not the model ran: the next window needs it either way.
         self._prev_seq = window.seq
         self._prev_stale = window.stale if finding is not None else None
@@ -492,6 +550,10 @@ class ReasoningStage:
                 "memory": memory_ms,
                 "reasoning": elapsed_us / 1000.0,
             },
+            ood=ood,
+            alarm_storm=health.storm.active,
+            acquisition_mismatch=active.acquisition_mismatch,
+            notices=tuple(notices) if notices else (),
         )
 
     def evaluate(self, window: Window) -> Evaluation:
@@ -553,6 +615,21 @@ class ReasoningStage:
 
     # -- reporting ------------------------------------------------------------------------
 
+    def _health_snapshot(self) -> dict[str, object]:
+        """The serving model's health: its input contract, distribution and storms."""
+        active = self._active
+        out = self.health.snapshot()
+        ood = out["ood"]
+        assert isinstance(ood, dict)
+        ood["masked_alarm_windows"] = self.stats.ood_masked
+        contract = active.contract
+        out["acquisition"] = (
+            contract.to_json()
+            if contract is not None
+            else {"checked": False, "status": "unchecked", "errors": [], "notes": []}
+        )
+        return out
+
     def snapshot(self) -> dict[str, object]:
         """JSON-ready counters, the breaker, the serving model and latency percentiles."""
         st = self.stats
@@ -576,11 +653,31 @@ class ReasoningStage:
             "by_model": dict(st.by_model),
             "swaps": st.swaps,
             "swaps_refused": st.swaps_refused,
+            "model_health": self._health_snapshot(),
             "latency_us": {
                 "perception": percentiles(st.perception_us),
                 "reasoning": percentiles(st.reasoning_us),
             },
         }
+
+
+def _health_of(prepared: PreparedModel, spec: HealthSpec) -> ModelHealth:
+    """The health monitors of a freshly serving model: its training ranges, the compiled
+    out-of-distribution kernel when the model runs compiled (else the numpy reference)."""
+    k = kernels() if getattr(prepared.model, "jit", False) else None
+    return ModelHealth(
+        prepared.signals,
+        prepared.input_bounds,
+        k.input_out_mask if k is not None else None,
+        spec,
+    )
+
+
+def _ood_firing(signals: Sequence[str]) -> RuleFiring:
+    return RuleFiring(
+        "model_out_of_distribution",
+        f"model labels masked: {', '.join(signals)} outside the training distribution",
+    )
 
 
 def _score(

@@ -52,6 +52,7 @@ import numpy as np
 import numpy.typing as npt
 
 from edge_agent.errors import ReasoningError
+from edge_agent.ood import Notice
 
 Stat = Literal["mean", "min", "max", "last"]
 Op = Literal["<", "<=", ">", ">="]
@@ -495,6 +496,14 @@ class Decision:
     drop of the label's probability without the signal), ``keep_one`` (the label's
     probability with only that signal left as it was, when the cause is joint) or
     ``none``. :meth:`to_json` is the payload published on ``.../decision``.
+
+    The model's health (:mod:`edge_agent.ood`), each absent from :meth:`to_json` when it
+    has nothing to say, so older fleets read an ordinary decision as before: ``ood`` names
+    the signals out of the training distribution while they are (every model label was
+    masked: the label is ``normal`` unless a rule says otherwise); ``alarm_storm``: the
+    model alarms on most windows; ``acquisition_mismatch``: the config does not deliver
+    the inputs the model was trained for and ``[reasoning] acquisition =
+    "accept-mismatch"`` runs it anyway; ``notices``: a change of these on this window.
     """
 
     trace_id: str
@@ -515,6 +524,10 @@ class Decision:
     attribution: str
     mode: Mode
     stage_latency_ms: Mapping[str, float]
+    ood: tuple[str, ...] = ()
+    alarm_storm: bool = False
+    acquisition_mismatch: bool = False
+    notices: tuple[Notice, ...] = ()
 
     @property
     def degraded(self) -> bool:
@@ -523,7 +536,7 @@ class Decision:
 
     def to_json(self) -> dict[str, object]:
         """A JSON-ready dict: floats rounded (probabilities 4 places, ms to the µs), NaN None."""
-        return {
+        out: dict[str, object] = {
             "trace_id": self.trace_id,
             "t_ns": self.t_ns,
             "window": {"seq": self.window_seq, "start_ns": self.window_start_ns},
@@ -545,6 +558,15 @@ class Decision:
             "mode": self.mode,
             "stage_latency_ms": {k: _num(v, 3) for k, v in self.stage_latency_ms.items()},
         }
+        if self.ood:
+            out["ood"] = list(self.ood)
+        if self.alarm_storm:
+            out["alarm_storm"] = True
+        if self.acquisition_mismatch:
+            out["acquisition_mismatch"] = True
+        if self.notices:
+            out["notices"] = [n.to_json() for n in self.notices]
+        return out
 
 
 __all__ = [

@@ -51,11 +51,13 @@ from drivers.buffer import SampleBuffer
 from drivers.errors import DriverError
 from drivers.source import Source, open_source
 from edge_agent import __version__
+from edge_agent.acquisition import contract_check
 from edge_agent.api import HealthApi
 from edge_agent.config import AgentConfig
 from edge_agent.errors import ModelMismatch, ReasoningError, ServiceError
 from edge_agent.gates import GateScheduler, uplink_priority
 from edge_agent.gcl import STAGES
+from edge_agent.health_report import log_contract, report_notices, state_health
 from edge_agent.memory.stage import MemoryStage
 from edge_agent.metrics import AgentMetrics
 from edge_agent.ota import AgentOta
@@ -237,6 +239,7 @@ class Agent:
                 agent_version=__version__,
                 state_dir=config.state_dir,
                 model_sha256=self._model_sha256,
+                model_health=self.model_health,
                 priority=self._uplink_priority(),
                 clock_ns=clock_ns,
                 on_command=self._on_command,
@@ -572,6 +575,8 @@ class Agent:
             return
         window = item.window
         d = stage.process(window, self.clock_ns(), item.perception_ms, item.memory_ms)
+        if d.notices:
+            report_notices(d, self.memory, self.uplink)
         if self.memory is not None:
             self.memory.record_decision(d, now_ns=d.t_ns, window_seq=d.window_seq)
         if self.uplink is not None:
@@ -607,6 +612,10 @@ class Agent:
             log.log(level, "%s", describe(d))
         if self._on_decision_cb is not None:
             self._on_decision_cb(d)
+
+    def model_health(self) -> dict[str, object] | None:
+        """The serving model's health for the retained state (None when all is well)."""
+        return state_health(self.stage)
 
     def _publish_telemetry(self, agg: Aggregate) -> None:
         """One period's statistics (a keyframe, or only what moved) into the current batch;
@@ -662,11 +671,16 @@ class Agent:
         return code, {"result": outcome.result, "reason": outcome.reason, "code": outcome.code}
 
     def health_status(self) -> str:
-        """``ok``, or ``degraded`` when a source is down, reasoning degraded or a stage failing."""
+        """``ok``, or ``degraded`` when a source is down, reasoning degraded, the model's
+        inputs out of distribution or its alarms a storm, or a stage failing."""
         if not all(self.sources_up().values()):
             return "degraded"
         if self.stage is not None and self.stage.breaker.mode != "full":
             return "degraded"
+        if self.stage is not None and (
+            self.stage.health.ood.active or self.stage.health.storm.active
+        ):
+            return "degraded"  # the model's verdicts cannot be trusted (edge_agent.ood)
         if self.uplink is not None and not self.uplink.stats().get("connected"):
             return "degraded"
         if any(
@@ -697,7 +711,14 @@ class Agent:
                 raise ReasoningError(f"reasoning: cannot load {where}: {exc}") from None
             return stage.prepare(model)
 
-        prepared = await asyncio.to_thread(load)
+        try:
+            prepared = await asyncio.to_thread(load)
+        except ModelMismatch as exc:
+            # Its rules or its input contract do not fit this config: the old model serves.
+            stage.stats.swaps_refused += 1
+            log.error("model swap refused, the serving model stays: %s", exc)
+            raise
+        log_contract(prepared.contract)
         t0 = time.perf_counter_ns()
         old = stage.swap(prepared)
         #: What the swap itself held the loop for, ns (bench.ota reports it).
@@ -886,11 +907,15 @@ def _numpy_reason(jit: bool | None) -> str:
     return unavailable_reason() or "compiled kernels unavailable"
 
 
-def build_stage(config: AgentConfig) -> ReasoningStage:
+def build_stage(config: AgentConfig, *, contract: bool = True) -> ReasoningStage:
     """Load the configured model and build the stage. Raises :class:`ReasoningError`.
 
     Called once at start, before the event loop has other work: the file read and hash
     (a few ms) block nothing yet. Swaps later load in a thread (see :meth:`Agent.reload_model`).
+    With ``contract`` (the agent always), every model the stage prepares is checked against
+    the config's acquisition (:mod:`edge_agent.acquisition`): a mismatch is a
+    :class:`ModelMismatch` unless ``[reasoning] acquisition = "accept-mismatch"``, which
+    is logged once here. ``check-config`` passes False and reports the findings itself.
     """
     rc = config.reasoning
     where = str(rc.model_dir) if rc.model_dir is not None else "the committed default model"
@@ -899,7 +924,13 @@ def build_stage(config: AgentConfig) -> ReasoningStage:
     except ModelError as exc:
         raise ReasoningError(f"reasoning: cannot load {where}: {exc}") from None
     try:
-        stage = ReasoningStage(model, rc.rules, perception=config.perception, breaker=rc.breaker)
+        stage = ReasoningStage(
+            model,
+            rc.rules,
+            perception=config.perception,
+            breaker=rc.breaker,
+            contract=contract_check(config) if contract else None,
+        )
     except ModelMismatch as exc:
         raise ModelMismatch(f"reasoning: {where} does not fit this config: {exc}") from None
     m = model.manifest
@@ -912,6 +943,7 @@ def build_stage(config: AgentConfig) -> ReasoningStage:
         rc.threads,
         "compiled" if model.jit else f"numpy ({_numpy_reason(rc.jit)})",
     )
+    log_contract(stage.prepared.contract)
     return stage
 
 

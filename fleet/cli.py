@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from edge_agent import __version__
@@ -132,7 +133,20 @@ def _device_dict(d: DeviceInfo) -> dict[str, Any]:
         "first_seen_ns": d.first_seen_ns,
         "last_seq": d.last_seq,
         "latency_ms": d.latency_ms,
+        "model_health": d.model_health,
     }
+
+
+def model_health_text(health: dict[str, Any]) -> str:
+    """The model column of ``fleet devices``: ``ok``, or what the device reports wrong."""
+    parts = []
+    if health.get("ood"):
+        parts.append("out of distribution: " + ",".join(str(s) for s in health["ood"]))
+    if health.get("alarm_storm"):
+        parts.append("alarm storm")
+    if health.get("acquisition_mismatch"):
+        parts.append("acquisition mismatch accepted")
+    return "; ".join(parts) or "ok"
 
 
 def _print_json(value: Any) -> None:
@@ -344,8 +358,9 @@ def devices_list(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
     if as_json:
         _print_json([_device_dict(d) for d in devs])
         return
-    table = Table("device", "site", "type", "state", "last seen (UTC)", "boot", "last seq")
+    table = Table("device", "site", "type", "state", "last seen (UTC)", "boot", "last seq", "model")
     for d in devs:
+        health = model_health_text(d.model_health) if d.online else "-"
         table.add_row(
             d.device,
             d.site,
@@ -354,6 +369,7 @@ def devices_list(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
             _iso(d.last_seen_ns),
             (d.boot_id or "-")[:8],
             "-" if d.last_seq is None else str(d.last_seq),
+            health if health in ("ok", "-") else f"[yellow]{escape(health)}[/]",
         )
     out.print(table)
 
@@ -378,6 +394,7 @@ def devices_show(device: str, store: StoreOpt = None, as_json: JsonOpt = False) 
     for key in ("device", "site", "device_type", "agent_version", "model_sha256", "boot_id"):
         table.add_row(key, str(info[key] or "-"))
     table.add_row("state", "online" if d.online else "offline")
+    table.add_row("model health", model_health_text(d.model_health) if d.online else "-")
     table.add_row("first seen (UTC)", _iso(d.first_seen_ns))
     table.add_row("last seen (UTC)", _iso(d.last_seen_ns))
     table.add_row("last seq", "-" if d.last_seq is None else str(d.last_seq))

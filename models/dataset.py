@@ -52,6 +52,7 @@ import numpy as np
 import numpy.typing as npt
 
 from drivers.sim.plant import SIGNALS, STEP_HZ, Anomaly, AnomalyKind, MotorPlant
+from models.acquisition import Acquisition, SignalAcquisition
 
 LABELS: Final[tuple[str, ...]] = ("normal", "drift", "spike", "stuck", "noise")
 WINDOW: Final = 64
@@ -124,63 +125,6 @@ class _Planned:
 
 
 # -- acquisition -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class SignalAcquisition:
-    """How one signal reaches perception: the field-bus source's schedule and encoding.
-
-    A source updates every ``period_ms`` (a CAN frame's cycle, a Modbus poll), its value is
-    rounded to ``quantum`` (0: full float32) and saturated to ``[lo, hi]``; with a
-    ``deadband`` a value is only sent when it moved by at least that much since the last
-    one sent, or ``heartbeat_ms`` after it. Each sample arrives ``jitter_ms`` (mean of an
-    exponential delay) after it was read. Signals with the same ``source`` share one
-    schedule (one frame, one poll). ``synced``: the source sends on the plant's own update
-    tick (a drive's cyclic CAN frame) rather than at an arbitrary time (a poll).
-    """
-
-    source: str
-    period_ms: float
-    quantum: float = 0.0
-    lo: float = -math.inf
-    hi: float = math.inf
-    deadband: float = 0.0
-    heartbeat_ms: float = 0.0
-    jitter_ms: float = 0.0
-    synced: bool = True
-
-    def describe(self) -> dict[str, object]:
-        out: dict[str, object] = {
-            "source": self.source,
-            "period_ms": self.period_ms,
-            "quantum": self.quantum,
-            "jitter_ms": self.jitter_ms,
-        }
-        if math.isfinite(self.lo) or math.isfinite(self.hi):
-            out["range"] = [self.lo, self.hi]
-        if self.deadband:
-            out["deadband"] = self.deadband
-            out["heartbeat_ms"] = self.heartbeat_ms
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class Acquisition:
-    """Per-signal :class:`SignalAcquisition` of one deployment (all of :data:`SIGNALS`)."""
-
-    name: str
-    signals: Mapping[str, SignalAcquisition]
-
-    def describe(self) -> dict[str, object]:
-        """The manifest's ``training.acquisition`` entry."""
-        return {
-            "name": self.name,
-            "grid": (
-                f"sample-and-hold onto the {RATE_HZ} Hz grid as edge_agent.perception "
-                "(newest sample arrived at or before each grid point)"
-            ),
-            "signals": {s: self.signals[s].describe() for s in SIGNALS},
-        }
 
 
 #: Every signal fresh at every grid step at full precision (``values_at`` on the grid).

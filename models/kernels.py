@@ -14,6 +14,8 @@ same bit for bit, which the test suite checks on both paths.
 * :func:`occlusion_batch_int8`: the alarm path's batch of occluded inputs for the ``median
   + noise`` reference, i.e. ``ColumnMedian``, then ``LevelOcclusion.at``'s multiply-add,
   clip and rounding of the level channel, then the two copies into the batch.
+* :func:`input_out_mask`: per window, which signals sit outside the training distribution
+  (:func:`models.input_stats.out_of_training`, ~15 numpy calls in one).
 
 Compiled on first use (:func:`kernels`), ~0.5 s, then cached on disk next to this file
 where it is writable. ``EDGEFLEET_JIT=0`` in the environment, or numba not importable,
@@ -49,6 +51,10 @@ OcclusionKernel = Callable[
         Any,
     ],
     None,
+]
+
+OutMaskKernel = Callable[
+    [npt.NDArray[np.float32], npt.NDArray[np.float32], npt.NDArray[np.float32]], int
 ]
 
 #: Rows of the ``params`` array of :func:`features_int8`.
@@ -176,14 +182,78 @@ def occlusion_batch_int8(  # noqa: PLR0917 - a numba kernel takes its arrays pos
                 occ[j, t, g, j] = base[t, g, j]
 
 
+def input_out_mask(v: Any, bounds: Any, stats: Any) -> int:
+    """Bit ``i`` set: signal ``i`` of window ``v`` (``(window, n)`` float32) is outside its
+    row of ``bounds`` (``(n, 7)`` float32, :meth:`models.input_stats.InputStats.bounds`)
+    on any statistic; ``stats`` (``(n, 5)`` float32) receives the window's statistics.
+    Exactly :func:`models.input_stats.out_of_training` (the test suite checks it): levels
+    compared in float32, changes and shares computed in float64. Plain Python here;
+    :func:`kernels` compiles it.
+    """
+    rows, n = v.shape
+    mask = 0
+    steps = rows - 1
+    for i in range(n):
+        lo = np.float32(np.inf)
+        hi = np.float32(-np.inf)
+        same = 0
+        run = 0
+        longest = 0
+        changed = 0
+        total = 0.0
+        for t in range(rows):
+            x = v[t, i]
+            if np.isfinite(x):
+                lo = min(lo, x)
+                hi = max(hi, x)
+            if t == 0:
+                continue
+            prev = v[t - 1, i]
+            if x == prev:
+                same += 1
+                run += 1
+                longest = max(longest, run)
+            else:
+                run = 0
+                d = abs(np.float64(x) - np.float64(prev))
+                if np.isfinite(d):
+                    changed += 1
+                    total += d
+        share = same / steps if steps > 0 else np.nan
+        step = total / changed if changed > 0 else 0.0
+        finite = np.isfinite(lo)
+        stats[i, 0] = lo if finite else np.nan
+        stats[i, 1] = hi if finite else np.nan
+        stats[i, 2] = share
+        stats[i, 3] = longest
+        stats[i, 4] = step
+        if not finite:
+            continue
+        b = bounds[i]
+        if (
+            lo < b[0]
+            or hi > b[1]
+            or share < np.float64(b[2])
+            or share > np.float64(b[3])
+            or longest > np.float64(b[4])
+            or step < np.float64(b[5])
+            or step > np.float64(b[6])
+        ):
+            mask |= 1 << i
+    return mask
+
+
 class Kernels:
     """The compiled kernels (see the module docstring)."""
 
-    __slots__ = ("features_int8", "occlusion_batch_int8")
+    __slots__ = ("features_int8", "input_out_mask", "occlusion_batch_int8")
 
-    def __init__(self, features: FeaturesKernel, occlusion: OcclusionKernel) -> None:
+    def __init__(
+        self, features: FeaturesKernel, occlusion: OcclusionKernel, out_mask: OutMaskKernel
+    ) -> None:
         self.features_int8 = features
         self.occlusion_batch_int8 = occlusion
+        self.input_out_mask = out_mask
 
 
 _lock = threading.Lock()
@@ -216,6 +286,7 @@ def unavailable_reason() -> str:
 
 _SELECT_SIG: Final = "float32(float32[::1], intp)"
 _FEATURES_SIG: Final = "void(float32[:, :], float32[:, ::1], int8[:, :, ::1])"
+_OUT_MASK_SIG: Final = "int64(float32[:, :], float32[:, ::1], float32[:, ::1])"
 _OCCLUSION_SIG: Final = (
     "void(float32[:, :], float32[::1], float32[:, ::1], float32[::1], int8[:, :, ::1], "
     "int8[:, :, ::1], int8[:, :, :, ::1])"
@@ -264,6 +335,7 @@ def _compile() -> tuple[Kernels | None, str]:
             occlusion = numba.njit(_OCCLUSION_SIG, nogil=True, cache=cache)(
                 _with_globals(occlusion_batch_int8, _select=select)
             )
+            out_mask = numba.njit(_OUT_MASK_SIG, nogil=True, cache=cache)(input_out_mask)
         except Exception as exc:  # noqa: BLE001 - numba raises many kinds: all mean numpy
             if cache:
                 log.info("numba cannot cache the kernels (%s): compiling without a cache", exc)
@@ -271,7 +343,7 @@ def _compile() -> tuple[Kernels | None, str]:
             why = f"numba could not compile the kernels: {exc}"
             log.warning("%s: numpy path", why)
             return None, why
-        return Kernels(features, occlusion), ""
+        return Kernels(features, occlusion, out_mask), ""
     return None, "unreachable"  # the loop returns
 
 
@@ -279,6 +351,7 @@ __all__ = [
     "JIT_ENV",
     "Kernels",
     "features_int8",
+    "input_out_mask",
     "jit_enabled",
     "kernels",
     "occlusion_batch_int8",

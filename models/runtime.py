@@ -66,8 +66,10 @@ from typing import Any, Final, Protocol, cast
 import numpy as np
 import numpy.typing as npt
 
+from models.acquisition import Acquisition
 from models.errors import BackendUnavailable, ModelRejected
 from models.features import FEATURES_NAME, GROUPS, FeatureExtractor, FeatureSpec
+from models.input_stats import InputStats
 from models.kernels import (
     P_INV_STD,
     P_MEAN,
@@ -143,7 +145,10 @@ class ModelManifest:
     Build it with :meth:`from_json` (raises :class:`ModelRejected` naming the key and value).
     ``thresholds`` maps each anomaly label to the probability at or above which it alarms;
     ``metrics``, ``training``, ``seeds`` and ``latency_us`` are informational and kept as
-    read (the model card's numbers).
+    read (the model card's numbers), except two entries of ``training`` the agent acts on,
+    parsed and checked when present: ``acquisition`` (the input contract,
+    :mod:`models.contract`) and ``input_stats`` (the training distribution the reasoning
+    stage compares live inputs with, :mod:`models.input_stats`); None when absent.
     """
 
     name: str
@@ -165,6 +170,8 @@ class ModelManifest:
     training: Mapping[str, Any]
     seeds: Mapping[str, Any]
     latency_us: Mapping[str, Any]
+    acquisition: Acquisition | None = None
+    input_stats: InputStats | None = None
 
     @classmethod
     def from_json(cls, data: object, *, source: str = MANIFEST_NAME) -> ModelManifest:
@@ -352,6 +359,20 @@ def _parse_manifest(data: object, source: str) -> ModelManifest:
     if output_spec.shape != expected_out:
         raise top.error("output.shape", list(output_spec.shape), f"{list(expected_out)}")
 
+    training = top.info("training")
+    try:
+        acquisition = (
+            Acquisition.from_description(training["acquisition"])
+            if "acquisition" in training
+            else None
+        )
+        stats = (
+            InputStats.from_description(training["input_stats"], signals)
+            if "input_stats" in training
+            else None
+        )
+    except ValueError as exc:
+        raise ModelRejected(str(exc), path=source) from None
     return ModelManifest(
         name=name,
         version=version,
@@ -369,9 +390,11 @@ def _parse_manifest(data: object, source: str) -> ModelManifest:
         labels=labels,
         thresholds=MappingProxyType(thresholds),
         metrics=top.info("metrics"),
-        training=top.info("training"),
+        training=training,
         seeds=top.info("seeds"),
         latency_us=top.info("latency_us"),
+        acquisition=acquisition,
+        input_stats=stats,
     )
 
 

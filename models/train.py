@@ -45,8 +45,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from models import dataset
+from models import dataset, input_stats
 from models.features import FeatureSpec, compute_features
+from models.input_stats import InputStats
 from models.native_log import runtime_stderr_to_log
 from models.runtime import (
     DEFAULT_MODEL_DIR,
@@ -229,6 +230,17 @@ def _cached(cache: Path | None, name: str, make: Any) -> Any:
     else:
         np.savez(path, windows=result)
     return result
+
+
+def input_stats_of(train: dataset.WindowSet, cont_train: FloatArray) -> InputStats:
+    """``training.input_stats``: the statistics of every normal window trained on (the
+    training set's normal windows and the continuous training runs)."""
+    normal = np.concatenate([train.values[train.labels == 0], cont_train])
+    source = (
+        f"the normal training windows: plant seeds {TRAIN_SEEDS.start}-{TRAIN_SEEDS.stop - 1} "
+        f"(label normal) and the continuous training runs ({_hours(CONT_TRAIN):g} h)"
+    )
+    return input_stats.compute(normal, dataset.SIGNALS, source)
 
 
 def feature_spec_from(normal: FloatArray) -> FeatureSpec:
@@ -739,6 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "val_windows": val.counts(),
         "representative_windows": int(rep_idx.size),
         "acquisition": dataset.DEFAULT_ACQUISITION.describe(),
+        "input_stats": input_stats_of(train, cont_train).describe(),
         "anomaly_ranges": {
             "drift": {
                 k: list(v) for k, v in dataset.DRIFT_RANGE.items() if k in dataset.DRIFT_SIGNALS

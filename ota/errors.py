@@ -8,8 +8,10 @@
      │    ├── SignatureInvalid   signatures missing, malformed, unknown keys, threshold unmet
      │    ├── BundleExpired      the manifest's ``expires`` has passed
      │    ├── Incompatible       device type or agent version outside ``compat``
-     │    │    └── ProbationUnreachable  the probation cannot score its minimum number
-     │    │                      of windows at this device's window rate
+     │    │    ├── ProbationUnreachable  the probation cannot score its minimum number
+     │    │    │                 of windows at this device's window rate
+     │    │    └── ModelContractUnmet  the model was trained for another acquisition
+     │    │                      than this device's config delivers
      │    ├── PermissionDenied   the kind's permission or a ``required_permissions`` entry
      │    │                      is not granted by the device policy
      │    ├── RollbackRejected   ``counter`` below the committed floor of its kind
@@ -74,6 +76,14 @@ class ProbationUnreachable(Incompatible):
     rate: it could only end in "no signal", so it is refused before it is staged."""
 
     code = "probation_unreachable"
+
+
+class ModelContractUnmet(Incompatible):
+    """The bundle's model was trained for inputs this device's config does not deliver
+    (its ``training.acquisition`` against the device's sources): refused before it is
+    staged, the reason naming each signal. Permanent for this device and config."""
+
+    code = "model_contract"
 
 
 class PermissionDenied(BundleRejected):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -46,6 +46,7 @@ from ota.errors import (
     BundleExpired,
     Incompatible,
     MalformedBundle,
+    ModelContractUnmet,
     PayloadMismatch,
     PermissionDenied,
     ProbationUnreachable,
@@ -64,6 +65,10 @@ MAX_BUNDLE_BYTES = 1024 * 1024 * 1024
 MAX_DELTA_BYTES = 256 * 1024 * 1024
 
 _TOKEN = object()
+#: The payload of a model bundle that holds the model's manifest, and the most of it that
+#: is read into memory for ``Policy.model_check`` (a model manifest's own limit).
+MODEL_MANIFEST = "model.json"
+MAX_MODEL_MANIFEST_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,10 @@ class Policy:
     #: Windows the device scores per second (perception rate / hop); None: not checked
     #: (``fleet bundle inspect`` without a target rate).
     windows_per_s: float | None = None
+    #: For a model bundle, its ``model.json`` (the model manifest, verified bytes) checked
+    #: against what this device's config delivers: a reason to refuse it, or "" to accept
+    #: it. None: not checked (the agent sets it: ``edge_agent.ota``).
+    model_check: Callable[[bytes], str] | None = None
 
 
 @dataclass(frozen=True)
@@ -231,6 +240,7 @@ def verify_bundle(
 
         refs: dict[str, tuple[int, int]] = {}
         patches: dict[str, bytes] = {}
+        inspected: bytes | None = None
         seen = {"manifest.json": 0}
         for i, p in enumerate(m.payloads, start=1):
             member = reader.next_member()
@@ -249,7 +259,13 @@ def verify_bundle(
                     f"the manifest declares {p.member_length}"
                 )
             h = hashlib.sha256()
-            keep = bytearray() if p.delta_from is not None else None
+            inspect = m.kind == "model" and p.name == MODEL_MANIFEST and policy.model_check
+            if inspect and p.length > MAX_MODEL_MANIFEST_BYTES:
+                raise ModelContractUnmet(
+                    f"payload {p.name!r}: {p.length} bytes; a model manifest is at most "
+                    f"{MAX_MODEL_MANIFEST_BYTES}"
+                )
+            keep = bytearray() if p.delta_from is not None or inspect else None
             for chunk in reader.read(member):
                 h.update(chunk)
                 if keep is not None:
@@ -258,6 +274,9 @@ def verify_bundle(
                 raise PayloadMismatch(f"payload {p.name!r}: sha256 differs from the manifest")
             if keep is None:
                 refs[p.sha256] = (member.offset, member.size)
+            elif p.delta_from is None:
+                refs[p.sha256] = (member.offset, member.size)
+                inspected = bytes(keep)
             else:
                 patches[p.name] = bytes(keep)
         extra = reader.next_member()
@@ -272,6 +291,12 @@ def verify_bundle(
         if p.delta_from is None:
             continue
         blobs[p.sha256] = _apply_delta(p.name, p.delta_from, patches[p.name], p, store)
+        if p.name == MODEL_MANIFEST:
+            inspected = blobs[p.sha256]
+    if m.kind == "model" and policy.model_check is not None and inspected is not None:
+        why = policy.model_check(inspected)
+        if why:
+            raise ModelContractUnmet(f"bundle {m.bundle_id} {m.version}: {why}")
     staged = store.stage(path, manifest_sha, refs, blobs, keep_source=keep_source)
     return VerifiedBundle(
         signed=m,

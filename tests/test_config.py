@@ -307,7 +307,8 @@ BAD += [
         "unknown reasoning key",
         GOOD + "\n[reasoning]\nmodeldir = 'x'\n",
         "reasoning.modeldir: unknown key; expected one of: enabled, model_dir, backend, "
-        "threads, jit, top_signals, thresholds, hysteresis, budget_ms, breaker, rules",
+        "threads, jit, top_signals, thresholds, hysteresis, budget_ms, breaker, rules, "
+        "acquisition",
     ),
     (
         "unknown backend",

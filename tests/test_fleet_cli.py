@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import typer
 from typer.testing import CliRunner
@@ -22,7 +23,7 @@ from fleet.cli import app, parse_since
 from fleet.cli_common import store_url
 from fleet.store import Quarantined, Row, open_store
 from tests.test_fleet_ingest import REPO, SITE, boot_id, decision, sqlite_url, state, telemetry
-from wire import encode
+from wire import ModelHealth, encode
 
 NOW = time.time_ns()
 MIN = 60 * 10**9
@@ -38,7 +39,10 @@ def url(tmp_path: Path) -> str:
     try:
         store.ensure_device("gw-a", SITE, NOW - 60 * MIN, auto_register=True)
         store.ensure_device("gw-b", SITE, NOW - 60 * MIN, auto_register=True)
-        store.record_state("gw-a", SITE, state("gw-a", BOOT_A, 0), NOW - 60 * MIN)
+        sick = msgspec.structs.replace(
+            state("gw-a", BOOT_A, 0), model_health=ModelHealth(ood=["current"])
+        )
+        store.record_state("gw-a", SITE, sick, NOW - 60 * MIN)
         store.record_state("gw-b", SITE, state("gw-b", BOOT_B, 0), NOW - 60 * MIN)
         rows = []
         # gw-a: seqs 0..10 except 4 and 5 (a gap); 0..8 telemetry, 9 and 10 decisions.
@@ -139,11 +143,15 @@ def test_devices_list(url: str) -> None:
     assert listed[0]["boot_id"] == BOOT_A
     assert listed[0]["last_seq"] == 10
     assert listed[0]["agent_version"] == "0.1.0"
-    human = runner.invoke(app, ["devices", "list", "--store", url])
+    # What gw-a's newest online state says about its model (gw-b is offline: nothing).
+    assert listed[0]["model_health"]["ood"] == ["current"]
+    assert listed[1]["model_health"] == {}
+    human = runner.invoke(app, ["devices", "list", "--store", url], env={"COLUMNS": "200"})
     assert human.exit_code == 0
     assert "gw-a" in human.stdout
     assert "online" in human.stdout
     assert "offline" in human.stdout
+    assert "out of distribution: current" in human.stdout
 
 
 def test_devices_list_reads_the_store_from_the_environment(url: str) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psycopg
 import pytest
 
@@ -39,6 +40,7 @@ from tests.pg import pg_schema_url, pg_url, private_schema
 from tests.tcp_proxy import TcpProxy, target_of, via
 from wire.messages import (
     DecisionMsg,
+    ModelHealth,
     ModelRef,
     SignalStats,
     StateMsg,
@@ -538,6 +540,34 @@ def test_state_online_offline_and_versions(store: Store) -> None:
     assert info is not None
     assert not info.online
     assert info.last_seen_ns == T0 + 99
+
+
+def test_the_model_health_a_state_reports_is_the_device_record_until_the_next(
+    store: Store,
+) -> None:
+    """An online state carrying ``model_health`` (schema v6) fills the record; the next one
+    without it (the model is fine again, or an older agent) empties it; offline: empty."""
+    sick = msgspec.structs.replace(
+        state("gw1", "online", t_ns=T0),
+        model_health=ModelHealth(ood=["current", "speed"], alarm_storm=True),
+    )
+    store.record_state("gw1", "plant1", sick, T0 + 10)
+    info = store.device("gw1")
+    assert info is not None
+    assert info.model_health == {
+        "ood": ["current", "speed"],
+        "alarm_storm": True,
+        "acquisition_mismatch": False,
+    }
+    store.record_state("gw1", "plant1", state("gw1", "online", t_ns=T0 + SEC), T0 + SEC)
+    info = store.device("gw1")
+    assert info is not None
+    assert info.model_health == {}
+    store.record_state("gw1", "plant1", sick, T0 + 2 * SEC)
+    store.record_state("gw1", "plant1", state("gw1", "offline", clean=False), T0 + 3 * SEC)
+    info = store.device("gw1")
+    assert info is not None
+    assert info.model_health == {}  # an offline device serves no model
 
 
 def test_late_offline_of_an_old_boot_does_not_mark_the_new_boot_offline(store: Store) -> None:

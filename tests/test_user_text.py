@@ -115,7 +115,7 @@ def test_readme_status_annotations_and_one_counter_name_match_a_running_agent(
 
     status, metrics = asyncio.run(main())
     annotated = status_lines()
-    assert [path for path, _ in annotated] == [".", ".gates"]
+    assert [path for path, _ in annotated] == [".", ".gates", ".reasoning.model_health"]
     for path, keys in annotated:
         node = status
         for part in path.strip(".").split(".") if path != "." else []:

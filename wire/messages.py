@@ -28,6 +28,7 @@ import re
 from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from wire.jsonscan import printable, scan
 
@@ -75,8 +76,23 @@ class Envelope(_Strict, frozen=True):
     t_ns: U63
 
 
+class ModelHealth(_Strict, frozen=True):
+    """What is wrong with the serving model's view of the plant (see ``edge_agent.ood``):
+    the signals out of its training distribution, an alarm storm, a config whose
+    acquisition the model was not trained for (run anyway: ``accept-mismatch``)."""
+
+    ood: Annotated[list[Name], msgspec.Meta(max_length=256)] = msgspec.field(default_factory=list)
+    alarm_storm: bool = False
+    acquisition_mismatch: bool = False
+
+
 class StateMsg(Envelope, kw_only=True, frozen=True):
-    """``.../state``: ``online`` (retained birth), ``offline`` (clean stop or Last Will)."""
+    """``.../state``: ``online`` (retained birth), ``offline`` (clean stop or Last Will).
+
+    ``model_health`` is absent while the model is healthy (and from older agents): an
+    ``online`` state is published again, retained, whenever it changes, so the fleet's
+    registry holds the current one.
+    """
 
     state: Literal["online", "offline"]
     #: False for the Last Will: the broker sent it because the device vanished.
@@ -85,6 +101,7 @@ class StateMsg(Envelope, kw_only=True, frozen=True):
     device_type: Name = "generic"
     agent_version: ShortText = ""
     model_sha256: Annotated[str, msgspec.Meta(pattern=r"^([0-9a-f]{64})?$")] = ""
+    model_health: ModelHealth | UnsetType = UNSET
 
 
 class SignalStats(_Strict, array_like=True, frozen=True):
@@ -144,8 +161,23 @@ class ModelRef(_Strict, frozen=True):
     ran: bool
 
 
+class NoticeMsg(_Strict, frozen=True):
+    """A change of the model's health on this decision's window (``edge_agent.ood``)."""
+
+    kind: Name
+    state: Literal["raised", "cleared"]
+    signals: Annotated[list[Name], msgspec.Meta(max_length=256)] = msgspec.field(
+        default_factory=list
+    )
+    reason: Text = ""
+
+
 class DecisionMsg(Envelope, kw_only=True, frozen=True):
-    """``.../decision``: :meth:`edge_agent.rules.Decision.to_json` plus the envelope."""
+    """``.../decision``: :meth:`edge_agent.rules.Decision.to_json` plus the envelope.
+
+    The last four fields are absent unless they have something to say (and from older
+    agents), so an older fleet still reads every ordinary decision.
+    """
 
     trace_id: Hex32
     window: WindowRef
@@ -162,6 +194,10 @@ class DecisionMsg(Envelope, kw_only=True, frozen=True):
     degraded: bool
     mode: ShortText
     stage_latency_ms: Annotated[dict[Name, float | None], msgspec.Meta(max_length=16)]
+    ood: Annotated[list[Name], msgspec.Meta(max_length=256)] | UnsetType = UNSET
+    alarm_storm: bool | UnsetType = UNSET
+    acquisition_mismatch: bool | UnsetType = UNSET
+    notices: Annotated[list[NoticeMsg], msgspec.Meta(max_length=16)] | UnsetType = UNSET
 
 
 class OtaStatusMsg(Envelope, kw_only=True, frozen=True):

@@ -20,7 +20,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterable, Mapping, MutableSequence
 from pathlib import Path
-from typing import Final
+from typing import Final, NamedTuple
 
 import cantools
 import cantools.database
@@ -293,6 +293,48 @@ class FrameDecoder:
                 plan.message.length,
                 exc,
             )
+
+
+class SignalTiming(NamedTuple):
+    """How a DBC delivers one selected signal: what the input contract needs to know.
+
+    ``cycle_ms`` is the message's ``GenMsgCycleTime`` (None when the DBC gives none, or 0);
+    ``scale`` its resolution; ``minimum``/``maximum`` its range (None when the DBC leaves it
+    open); ``multiplexed``: sent only on some frames of the message (one mux page).
+    """
+
+    name: str
+    message: str
+    cycle_ms: float | None
+    scale: float
+    minimum: float | None
+    maximum: float | None
+    multiplexed: bool
+
+
+def signal_timings(
+    path: Path, *, signals: Iterable[str] = (), prefix: str = ""
+) -> list[SignalTiming]:
+    """:class:`SignalTiming` of every signal a source with this DBC and selection emits.
+    Raises :class:`DriverConfigError` as :meth:`FrameDecoder.from_file` does."""
+    out = []
+    for _key, msg, sig, name in FrameDecoder.from_file(
+        path, signals=signals, prefix=prefix
+    ).selection():
+        s = msg.get_signal_by_name(sig)
+        cycle = msg.cycle_time
+        out.append(
+            SignalTiming(
+                name=name,
+                message=msg.name,
+                cycle_ms=float(cycle) if cycle else None,
+                scale=float(s.scale),
+                minimum=None if s.minimum is None else float(s.minimum),
+                maximum=None if s.maximum is None else float(s.maximum),
+                multiplexed=s.multiplexer_ids is not None,
+            )
+        )
+    return out
 
 
 def _fmt_id(key: FrameKey) -> str:

@@ -115,6 +115,7 @@ class Uplink:
         agent_version: str,
         state_dir: str | Path,
         model_sha256: Callable[[], str],
+        model_health: Callable[[], dict[str, object] | None] | None = None,
         priority: int | None = None,
         clock_ns: Callable[[], int] = time.time_ns,
         on_command: Callable[[str, bytes], None] | None = None,
@@ -125,6 +126,8 @@ class Uplink:
         self.device_type = device_type
         self.agent_version = agent_version
         self.model_sha256 = model_sha256
+        #: The serving model's health for ``online`` states (None: nothing to report).
+        self.model_health = model_health
         self.priority = priority
         self.clock_ns = clock_ns
         #: Called on the event loop with (name, payload) for each ``.../cmd/{name}`` message.
@@ -276,7 +279,8 @@ class Uplink:
 
     def announce(self) -> None:
         """Publish the retained ``online`` state again: the versions in it changed (an OTA
-        update committed or rolled back), and the fleet's registry reads them from there."""
+        update committed or rolled back) or the model's health did, and the fleet's
+        registry reads them from there."""
         client = self._client
         if client is not None and self._connected:
             client.publish(self.state_topic, self._state("online", clean=True), qos=1, retain=True)
@@ -306,11 +310,15 @@ class Uplink:
         }
         try:
             fields["model_sha256"] = self.model_sha256()
+            health = self.model_health() if self.model_health and state == "online" else None
+            if health is not None and boot is None:
+                fields["model_health"] = health
             return encode(msgspec.convert(fields, StateMsg))
         except (msgspec.ValidationError, ValueError, TypeError) as exc:
             # A state message must go out even if one of its details is off.
             log.warning("uplink: state message without model hash/agent version: %s", exc)
             fields.update(model_sha256="", agent_version="")
+            fields.pop("model_health", None)
             return encode(msgspec.convert(fields, StateMsg))
 
     # -- paho side (network thread): hand everything to the loop ----------------------------

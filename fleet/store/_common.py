@@ -22,6 +22,7 @@ from fleet.store.base import (
     IngestSession,
     Row,
 )
+from wire.messages import StateMsg
 from wire.topics import topic
 
 
@@ -166,11 +167,36 @@ def latency_from_json(text: str) -> dict[str, float]:
     return {str(k): float(v) for k, v in data.items() if isinstance(v, int | float)}
 
 
+def model_health_json(state: StateMsg) -> str:
+    """``devices.model_health_json`` for a state message: what an ``online`` state reports
+    (``{}`` when it reports nothing: the model is healthy, or an older agent)."""
+    health = state.model_health
+    if state.state != "online" or isinstance(health, msgspec.UnsetType):
+        return "{}"
+    return json.dumps(
+        {
+            "ood": list(health.ood),
+            "alarm_storm": health.alarm_storm,
+            "acquisition_mismatch": health.acquisition_mismatch,
+        },
+        separators=(",", ":"),
+    )
+
+
+def model_health_from_json(text: str) -> dict[str, Any]:
+    try:
+        data: Any = json.loads(text)
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 #: Columns read by :func:`device_info`, in order; ``last_seq`` comes from a subquery.
 DEVICE_SELECT = """
 SELECT d.device, d.site, d.device_type, d.online, d.last_seen_ns, d.boot_id,
        d.agent_version, d.model_sha256, d.first_seen_ns, d.latency_json,
-       (SELECT MAX(m.seq) FROM messages m WHERE m.device = d.device AND m.boot_id = d.boot_id)
+       (SELECT MAX(m.seq) FROM messages m WHERE m.device = d.device AND m.boot_id = d.boot_id),
+       d.model_health_json
 FROM devices d
 """
 
@@ -188,6 +214,7 @@ def device_info(row: Sequence[Any]) -> DeviceInfo:
         first_seen_ns=row[8],
         last_seq=row[10],
         latency_ms=latency_from_json(row[9]),
+        model_health=model_health_from_json(row[11]),
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from fleet.errors import FleetStoreError
@@ -70,7 +70,10 @@ class DeviceInfo:
     ``online``, ``boot_id`` and the versions come from the newest boot's state messages;
     ``last_seen_ns`` is the latest receive time of any message from the device;
     ``last_seq`` is the highest data seq stored for the current boot; ``latency_ms`` is the
-    ``stage_latency_ms`` of the device's most recent decision (null stages left out).
+    ``stage_latency_ms`` of the device's most recent decision (null stages left out);
+    ``model_health`` what its newest ``online`` state says about the serving model
+    (``ood``: signals out of the training distribution, ``alarm_storm``,
+    ``acquisition_mismatch``), empty when nothing is wrong (or the device is offline).
     """
 
     device: str
@@ -84,6 +87,7 @@ class DeviceInfo:
     first_seen_ns: int
     last_seq: int | None
     latency_ms: dict[str, float] = field(default_factory=dict)
+    model_health: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

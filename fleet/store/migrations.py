@@ -234,11 +234,20 @@ CREATE TABLE ingest_gaps (
 )
 """
 
+_V6_SQLITE = """
+ALTER TABLE devices ADD COLUMN model_health_json TEXT NOT NULL DEFAULT '{}'
+"""
+
+_V6_POSTGRES = """
+ALTER TABLE devices ADD COLUMN model_health_json TEXT NOT NULL DEFAULT '{}'
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "registry, boots, messages, quarantine", _V1_SQLITE, _V1_POSTGRES),
     Migration(2, "rollouts, rollout requests, device labels", _V2_SQLITE, _V2_POSTGRES),
     Migration(3, "ingest sessions", _V3_SQLITE, _V3_POSTGRES),
     Migration(5, "gaps the ingest found while it ran", _V5_SQLITE, _V5_POSTGRES),
+    Migration(6, "the serving model's health per device", _V6_SQLITE, _V6_POSTGRES),
 )
 
 #: The schema version this code writes and reads.

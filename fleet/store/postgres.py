@@ -314,7 +314,8 @@ class PostgresStore:
                 # Never the site: a device's site is the one it was registered with.
                 db.execute(
                     "UPDATE devices SET device_type = %s, online = %s, boot_id = %s, "
-                    "state_t_ns = %s, agent_version = %s, model_sha256 = %s WHERE device = %s",
+                    "state_t_ns = %s, agent_version = %s, model_sha256 = %s, "
+                    "model_health_json = %s WHERE device = %s",
                     (
                         state.device_type,
                         state.state == "online",
@@ -322,6 +323,7 @@ class PostgresStore:
                         state.t_ns if boot != state.boot_id else max(t_ns or 0, state.t_ns),
                         state.agent_version,
                         state.model_sha256,
+                        _common.model_health_json(state),
                         device,
                     ),
                 )

@@ -281,7 +281,8 @@ class SqliteStore:
                 # Never the site: a device's site is the one it was registered with.
                 db.execute(
                     "UPDATE devices SET device_type = ?, online = ?, boot_id = ?, "
-                    "state_t_ns = ?, agent_version = ?, model_sha256 = ? WHERE device = ?",
+                    "state_t_ns = ?, agent_version = ?, model_sha256 = ?, "
+                    "model_health_json = ? WHERE device = ?",
                     (
                         state.device_type,
                         1 if state.state == "online" else 0,
@@ -289,6 +290,7 @@ class SqliteStore:
                         state.t_ns if boot != state.boot_id else max(t_ns or 0, state.t_ns),
                         state.agent_version,
                         state.model_sha256,
+                        _common.model_health_json(state),
                         device,
                     ),
                 )
