@@ -20,7 +20,7 @@ from ota.errors import StorageError
 from ota.store import ContentStore
 from ota.trust import load_root
 from ota.verify import Policy, verify_bundle
-from tests.ota_support import DEVICE_TYPE, Signer
+from tests.ota_support import DEVICE_TYPE, Signer, model_members
 from tests.test_firmware_slots import tiny_fs  # noqa: F401 - the fixture
 from tests.test_ota_agent import ota_config, run_agent
 
@@ -97,7 +97,11 @@ def test_the_agent_reports_a_full_disk_and_keeps_serving(
     cfg, port, channel = ota_config(tmp_path, signer)
     # The agent's state (memory, outbox, OTA) on the tiny disk.
     cfg = dataclasses.replace(cfg, state_dir=tiny_fs)
-    big = signer.bundle(tmp_path / "big.efb", _members(12 * 1024 * 1024), counter=2)
+    # The committed model's manifest, so the input contract passes and staging is reached;
+    # the model file is 12 MiB of noise, which does not fit the 8 MiB disk.
+    (_, (_, model_json)) = model_members(tmp_path, "disk")[0]
+    members = [("model.tflite", os.urandom(12 * 1024 * 1024)), ("model.json", model_json)]
+    big = signer.bundle(tmp_path / "big.efb", members, counter=2)
 
     async def scenario(agent: Agent) -> object:
         assert agent.ota is not None
