@@ -218,15 +218,15 @@ def device_info(row: Sequence[Any]) -> DeviceInfo:
     )
 
 
-def gaps_sql(param: str, by_device: bool) -> str:
+def gaps_sql(by_device: bool) -> str:
     """Gap detection in one query, per (device, boot): the head (seqs start at 0), holes
     between stored seqs (LAG over seq), and the tail up to the boot's watermark (the number
     of seqs the device had assigned when it last sent a state message; see
-    :mod:`wire.messages`), including a boot of which nothing arrived. ``param`` is the
-    driver's placeholder. A tail may be data still on its way.
+    :mod:`wire.messages`), including a boot of which nothing arrived. A tail may be data
+    still on its way. Written with ``?`` (see :meth:`fleet.store.sql.SqlStore._sql`).
     """
-    where = f"WHERE device = {param}" if by_device else ""
-    bwhere = f"AND b.device = {param}" if by_device else ""
+    where = "WHERE device = ?" if by_device else ""
+    bwhere = "AND b.device = ?" if by_device else ""
     return f"""
 WITH ordered AS (
     SELECT device, boot_id, seq,
@@ -266,25 +266,25 @@ ORDER BY f.device, b.first_received_ns, f.boot_id, f.first_missing
 """  # noqa: S608 - constant fragments; values are bound parameters
 
 
-def holes_received_sql(param: str) -> str:
+def holes_received_sql() -> str:
     """Holes behind the data messages received in ``[since, until)``: each such message
     whose seq - 1 is not stored is the upper edge of one; its lower edge is the highest
     stored seq below it (none: the hole starts at 0). Two index lookups per message
     received in the window (``(kind, received_ns)``, then the primary key), in the
-    database; the rows it returns are only the holes. ``param`` is the driver's
-    placeholder; bind ``(since, until)``."""
-    return f"""
+    database; the rows it returns are only the holes. Bind
+    ``(since, until)``."""
+    return """
 SELECT e.device, e.boot_id,
        COALESCE((SELECT MAX(p.seq) FROM messages p
                  WHERE p.device = e.device AND p.boot_id = e.boot_id AND p.seq < e.seq), -1) + 1,
        e.seq - 1
 FROM messages e
 WHERE e.kind IN ('telemetry', 'decision', 'ota/status')
-  AND e.received_ns >= {param} AND e.received_ns < {param} AND e.seq > 0
+  AND e.received_ns >= ? AND e.received_ns < ? AND e.seq > 0
   AND NOT EXISTS (SELECT 1 FROM messages q
                   WHERE q.device = e.device AND q.boot_id = e.boot_id AND q.seq = e.seq - 1)
 ORDER BY 1, 2, 3
-"""  # noqa: S608 - constant fragments; values are bound parameters
+"""
 
 
 #: Still missing (a hole can fill between the read and the write) and not yet recorded.
@@ -312,11 +312,11 @@ def counts_from(kinds: Sequence[Sequence[Any]], quarantined: int, devices: int) 
 
 
 def ota_status_page(
-    received_ns: int, limit: int, after: bytes | None, param: str
+    received_ns: int, limit: int, after: bytes | None
 ) -> tuple[str, tuple[object, ...]]:
-    """One page of ``ota_status_since``: SQL (``param`` is the driver's placeholder) and its
-    arguments. Keyset paging on (received_ns, body): the (kind, received_ns) index gives the
-    order by arrival; only rows of the same nanosecond are sorted by body."""
+    """One page of ``ota_status_since``: SQL and its arguments. Keyset paging on
+    (received_ns, body): the (kind, received_ns) index gives the order by arrival; only rows
+    of the same nanosecond are sorted by body."""
     n = check_limit(limit)
     if after is None:
         sql = (
@@ -331,7 +331,7 @@ def ota_status_page(
             "ORDER BY received_ns, body LIMIT ?"
         )
         args = (received_ns, received_ns, after, n)
-    return sql.replace("?", param), args
+    return sql, args
 
 
 def check_limit(limit: int) -> int:
@@ -350,13 +350,13 @@ _SESSION_UPDATED = tuple(c for c in _SESSION_COLUMNS if c not in ("client_id", "
 SESSIONS_SELECT = f"SELECT {', '.join(_SESSION_COLUMNS)} FROM ingest_sessions ORDER BY client_id"  # noqa: S608
 
 
-def sessions_sql(param: str, if_state: bool) -> str:
-    """Write one session (``param`` is the driver's placeholder): an upsert, or with
+def sessions_sql(if_state: bool) -> str:
+    """Write one session: an upsert, or with
     ``if_state`` an update of the row only while it is in that state."""
     if if_state:
-        sets = ", ".join(f"{c} = {param}" for c in _SESSION_UPDATED)
-        return f"UPDATE ingest_sessions SET {sets} WHERE client_id = {param} AND state = {param}"  # noqa: S608
-    values = ", ".join(param for _ in _SESSION_COLUMNS)
+        sets = ", ".join(f"{c} = ?" for c in _SESSION_UPDATED)
+        return f"UPDATE ingest_sessions SET {sets} WHERE client_id = ? AND state = ?"  # noqa: S608
+    values = ", ".join("?" for _ in _SESSION_COLUMNS)
     sets = ", ".join(f"{c} = excluded.{c}" for c in _SESSION_UPDATED)
     return (
         f"INSERT INTO ingest_sessions ({', '.join(_SESSION_COLUMNS)}) VALUES ({values}) "  # noqa: S608

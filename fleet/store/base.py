@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from fleet.errors import FleetStoreError
-
 if TYPE_CHECKING:
     from wire.messages import StateMsg
 
@@ -334,31 +332,3 @@ def redact_url(url: str) -> str:
         port = None
     netloc = f"{user}:***@{host}" + (f":{port}" if port is not None else "")
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-
-
-def open_store(url: str) -> Store:
-    """Open the store at ``url``: ``sqlite:///abs/path.db`` or ``postgresql://...``.
-
-    Does not migrate; call :meth:`Store.migrate` (the ingest service does at start).
-    Raises :class:`fleet.errors.FleetStoreError` for any other scheme or an unreachable store.
-    """
-    scheme, sep, _ = url.partition("://")
-    if not sep:
-        raise FleetStoreError(
-            f"store URL {redact_url(url)!r} has no scheme; "
-            "expected sqlite:///abs/path.db or postgresql://..."
-        )
-    scheme = scheme.lower()
-    # Imported on use: the SQLite-only edge of the fleet never needs psycopg.
-    if scheme == "sqlite":
-        from fleet.store.sqlite import SqliteStore  # noqa: PLC0415 - on use
-
-        return SqliteStore(url)
-    if scheme in ("postgresql", "postgres"):
-        from fleet.store.postgres import PostgresStore  # noqa: PLC0415 - needs psycopg
-
-        return PostgresStore(url)
-    raise FleetStoreError(
-        f"store URL scheme {scheme!r} is not supported (in {redact_url(url)!r}); "
-        "expected 'sqlite' or 'postgresql'"
-    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import psycopg
@@ -19,16 +20,12 @@ from psycopg import errors as pg_errors
 from fleet.errors import FleetStoreError, SchemaTooNew, StoreRefused
 from fleet.store import _common
 from fleet.store.base import (
-    QUARANTINE_PAYLOAD_MAX,
-    DeviceInfo,
-    Gap,
     IngestResult,
-    IngestSession,
-    Quarantined,
     Row,
     redact_url,
 )
 from fleet.store.migrations import LATEST, pending
+from fleet.store.sql import SqlStore
 
 if TYPE_CHECKING:
     from wire.messages import StateMsg
@@ -37,7 +34,6 @@ _T = TypeVar("_T")
 #: Any fixed key works: it only serialises concurrent migrate() calls on one server.
 _MIGRATE_LOCK = 0x6564_6765_666C_74  # "edgeflt"
 _RETRIES = 3
-_QMAX = QUARANTINE_PAYLOAD_MAX
 #: A device registered ahead of its first message has first_seen_ns 0 until that message.
 _FIRST_SEEN = (
     "first_seen_ns = CASE WHEN devices.first_seen_ns = 0 THEN EXCLUDED.first_seen_ns "
@@ -64,7 +60,7 @@ def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
     return [list(c) for c in zip(*rows, strict=True)]
 
 
-class PostgresStore:
+class PostgresStore(SqlStore):
     """:class:`fleet.store.base.Store` on PostgreSQL. Use one per worker thread or process.
 
     ``insert_mode`` picks how a batch of messages is written: ``"copy"`` (binary COPY into a
@@ -72,6 +68,8 @@ class PostgresStore:
     ``"executemany"`` (pipelined single-row inserts). COPY is the default because it measured
     faster for 500-row batches (see the report / ``bench``).
     """
+
+    PARAM = "%s"
 
     def __init__(self, url: str, *, insert_mode: Literal["copy", "executemany"] = "copy") -> None:
         self._dsn = url
@@ -129,6 +127,9 @@ class PostgresStore:
                 except psycopg.Error as exc:
                     raise FleetStoreError(f"store {self.url}: {what} failed: {exc}") from None
             raise AssertionError("unreachable")
+
+    def _txn(self, db: psycopg.Connection[tuple[Any, ...]]) -> AbstractContextManager[Any]:
+        return db.transaction()
 
     # -- schema --------------------------------------------------------------------------
 
@@ -268,23 +269,6 @@ class PostgresStore:
         keys = {(str(d), str(b), int(q)) for d, b, q in cur.fetchall()}
         return [r for r in batch.rows if (r.device, r.boot_id, r.seq) in keys]
 
-    def quarantine(self, items: Sequence[Quarantined]) -> None:
-        if not items:
-            return
-
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> None:
-            with db.transaction(), db.cursor() as cur:
-                cur.executemany(
-                    "INSERT INTO quarantine (received_ns, topic, device, reason, where_path, "
-                    "payload) VALUES (%s, %s, %s, %s, %s, %s)",
-                    [
-                        (q.received_ns, q.topic, q.device, q.reason, q.where, q.payload[:_QMAX])
-                        for q in items
-                    ],
-                )
-
-        self._run("quarantine", go)
-
     def record_state(self, device: str, site: str, state: StateMsg, received_ns: int) -> None:
         def go(db: psycopg.Connection[tuple[Any, ...]]) -> None:
             with db.transaction():
@@ -309,299 +293,9 @@ class PostgresStore:
                     (device,),
                 ).fetchone()
                 boot, t_ns = row if row else (None, None)
-                if not _common.state_applies(boot, t_ns, state.boot_id, state.t_ns):
-                    return
-                # Never the site: a device's site is the one it was registered with.
-                db.execute(
-                    "UPDATE devices SET device_type = %s, online = %s, boot_id = %s, "
-                    "state_t_ns = %s, agent_version = %s, model_sha256 = %s, "
-                    "model_health_json = %s WHERE device = %s",
-                    (
-                        state.device_type,
-                        state.state == "online",
-                        state.boot_id,
-                        state.t_ns if boot != state.boot_id else max(t_ns or 0, state.t_ns),
-                        state.agent_version,
-                        state.model_sha256,
-                        _common.model_health_json(state),
-                        device,
-                    ),
-                )
+                self._apply_state(db, device, state, boot, t_ns)
 
         self._run("record_state", go)
-
-    def ensure_device(
-        self, device: str, site: str, received_ns: int, *, auto_register: bool
-    ) -> bool:
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> bool:
-            if db.execute("SELECT 1 FROM devices WHERE device = %s", (device,)).fetchone():
-                return True
-            if not auto_register:
-                return False
-            db.execute(
-                "INSERT INTO devices (device, site, first_seen_ns) VALUES (%s, %s, %s) "
-                "ON CONFLICT (device) DO NOTHING",
-                (device, site, received_ns),
-            )
-            return True
-
-        return self._run("ensure_device", go)
-
-    def device_site(self, device: str) -> str | None:
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> str | None:
-            row = db.execute("SELECT site FROM devices WHERE device = %s", (device,)).fetchone()
-            return None if row is None else str(row[0])
-
-        return self._run("device_site", go)
-
-    def register_device(self, device: str, site: str, device_type: str = "generic") -> None:
-        # first_seen_ns is 0 for a device registered ahead of its first message.
-        self._run(
-            "register_device",
-            lambda db: db.execute(
-                "INSERT INTO devices (device, site, device_type, first_seen_ns) "
-                "VALUES (%s, %s, %s, 0) ON CONFLICT (device) DO UPDATE SET "
-                "site = EXCLUDED.site, device_type = EXCLUDED.device_type",
-                (device, site, device_type),
-            ),
-        )
-
-    # -- reads ---------------------------------------------------------------------------
-
-    def devices(self) -> list[DeviceInfo]:
-        return self._run(
-            "devices",
-            lambda db: [
-                _common.device_info(r)
-                for r in db.execute(_common.DEVICE_SELECT + " ORDER BY d.device").fetchall()
-            ],
-        )
-
-    def device(self, name: str) -> DeviceInfo | None:
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> DeviceInfo | None:
-            row = db.execute(_common.DEVICE_SELECT + " WHERE d.device = %s", (name,)).fetchone()
-            return None if row is None else _common.device_info(row)
-
-        return self._run("device", go)
-
-    def telemetry(
-        self, device: str, *, since_ns: int | None = None, limit: int = 100
-    ) -> list[tuple[int, int, str, bytes]]:
-        limit = _common.check_limit(limit)
-
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> list[tuple[int, int, str, bytes]]:
-            rows = db.execute(
-                "SELECT t_ns, seq, boot_id, body FROM messages "
-                "WHERE device = %s AND kind = 'telemetry' AND t_ns >= %s "
-                "ORDER BY t_ns DESC, seq DESC LIMIT %s",
-                (device, -1 if since_ns is None else since_ns, limit),
-            ).fetchall()
-            return [(r[0], r[1], r[2], bytes(r[3])) for r in reversed(rows)]
-
-        return self._run("telemetry", go)
-
-    def decisions(
-        self,
-        *,
-        since_ns: int | None = None,
-        device: str | None = None,
-        label: str | None = None,
-        limit: int = 100,
-    ) -> list[tuple[str, int, int, bytes]]:
-        limit = _common.check_limit(limit)
-        where = ["kind = 'decision'", "t_ns >= %s"]
-        args: list[Any] = [-1 if since_ns is None else since_ns]
-        if device is not None:
-            where.append("device = %s")
-            args.append(device)
-        if label is not None:
-            where.append("label = %s")
-            args.append(label)
-        sql = (
-            "SELECT device, t_ns, seq, body FROM messages WHERE "  # noqa: S608 - constants
-            + " AND ".join(where)
-            + " ORDER BY t_ns DESC, device DESC, seq DESC LIMIT %s"
-        )
-
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> list[tuple[str, int, int, bytes]]:
-            rows = db.execute(sql.encode(), (*args, limit)).fetchall()
-            return [(r[0], r[1], r[2], bytes(r[3])) for r in reversed(rows)]
-
-        return self._run("decisions", go)
-
-    def gaps(self, device: str | None = None) -> list[Gap]:
-        sql = _common.gaps_sql("%s", device is not None).encode()
-        args = () if device is None else (device, device)
-        return self._run("gaps", lambda db: _common.gap_rows(db.execute(sql, args).fetchall()))
-
-    def record_new_gaps(self, since_ns: int, until_ns: int, found_ns: int) -> list[Gap]:
-        sql = _common.holes_received_sql("%s").encode()
-        still_open = _common.HOLE_STILL_OPEN.replace("?", "%s")
-        record = _common.RECORD_HOLE.replace("?", "%s")
-
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> list[Gap]:
-            holes = _common.gap_rows(db.execute(sql, (since_ns, until_ns)).fetchall())
-            if not holes:
-                return []
-            new = []
-            with db.transaction():
-                for g in holes:
-                    key = (g.device, g.boot_id, g.first_missing, g.last_missing)
-                    if db.execute(still_open, key).fetchone() is None:
-                        continue
-                    if db.execute(record, (*key, found_ns)).rowcount == 1:
-                        new.append(g)
-            return new
-
-        return self._run("record_new_gaps", go)
-
-    def quarantined(self, *, limit: int = 100) -> list[Quarantined]:
-        limit = _common.check_limit(limit)
-
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> list[Quarantined]:
-            rows = db.execute(
-                "SELECT topic, payload, reason, where_path, received_ns, device FROM quarantine "
-                "ORDER BY received_ns DESC, id DESC LIMIT %s",
-                (limit,),
-            ).fetchall()
-            return [Quarantined(r[0], bytes(r[1]), r[2], r[3], r[4], r[5]) for r in rows]
-
-        return self._run("quarantined", go)
-
-    def counts(self) -> dict[str, int]:
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> dict[str, int]:
-            kinds = db.execute("SELECT kind, COUNT(*) FROM messages GROUP BY kind").fetchall()
-            q = db.execute("SELECT COUNT(*) FROM quarantine").fetchone()
-            d = db.execute("SELECT COUNT(*) FROM devices").fetchone()
-            return _common.counts_from(kinds, int(q[0]) if q else 0, int(d[0]) if d else 0)
-
-        return self._run("counts", go)
-
-    # -- rollouts ------------------------------------------------------------------------
-
-    def set_labels(self, device: str, *, group: str | None, tier: str | None) -> bool:
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> bool:
-            with db.transaction():
-                n = 0
-                if group is not None:
-                    n = db.execute(
-                        "UPDATE devices SET group_name = %s WHERE device = %s", (group, device)
-                    ).rowcount
-                if tier is not None:
-                    n = db.execute(
-                        "UPDATE devices SET tier = %s WHERE device = %s", (tier, device)
-                    ).rowcount
-                if group is None and tier is None:
-                    n = len(
-                        db.execute("SELECT 1 FROM devices WHERE device = %s", (device,)).fetchall()
-                    )
-                return n > 0
-
-        return self._run("set_labels", go)
-
-    def labels(self) -> dict[str, tuple[str, str]]:
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> dict[str, tuple[str, str]]:
-            rows = db.execute("SELECT device, group_name, tier FROM devices").fetchall()
-            return {r[0]: (r[1], r[2]) for r in rows}
-
-        return self._run("labels", go)
-
-    def insert_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> bool:
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> bool:
-            with db.transaction():
-                cur = db.execute(
-                    "INSERT INTO rollouts (id, state, created_ns, updated_ns, doc) "
-                    "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (id) DO NOTHING",
-                    (rollout_id, state, now_ns, now_ns, doc),
-                )
-                return cur.rowcount == 1
-
-        return self._run("insert_rollout", go)
-
-    def save_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> None:
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> None:
-            with db.transaction():
-                db.execute(
-                    "INSERT INTO rollouts (id, state, created_ns, updated_ns, doc) "
-                    "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
-                    "state = EXCLUDED.state, updated_ns = EXCLUDED.updated_ns, doc = EXCLUDED.doc",
-                    (rollout_id, state, now_ns, now_ns, doc),
-                )
-
-        self._run("save_rollout", go)
-
-    def rollouts(self, *, active_only: bool = False) -> list[tuple[str, str, str]]:
-        where = " WHERE state IN ('running', 'paused')" if active_only else ""
-
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> list[tuple[str, str, str]]:
-            sql = f"SELECT id, state, doc FROM rollouts{where} ORDER BY created_ns DESC, id"  # noqa: S608 - a constant clause
-            return [(r[0], r[1], r[2]) for r in db.execute(sql).fetchall()]
-
-        return self._run("rollouts", go)
-
-    def add_rollout_request(self, rollout_id: str, action: str, now_ns: int) -> None:
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> None:
-            with db.transaction():
-                db.execute(
-                    "INSERT INTO rollout_requests (rollout_id, action, requested_ns) "
-                    "VALUES (%s, %s, %s)",
-                    (rollout_id, action, now_ns),
-                )
-
-        self._run("add_rollout_request", go)
-
-    def pending_rollout_requests(self) -> list[tuple[int, str, str]]:
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> list[tuple[int, str, str]]:
-            with db.transaction():
-                rows = db.execute(
-                    "SELECT id, rollout_id, action FROM rollout_requests "
-                    "WHERE done_ns IS NULL ORDER BY id"
-                ).fetchall()
-            return [(int(r[0]), r[1], r[2]) for r in rows]
-
-        return self._run("pending_rollout_requests", go)
-
-    def finish_rollout_requests(self, ids: Sequence[int], now_ns: int) -> None:
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> None:
-            with db.transaction(), db.cursor() as cur:
-                cur.executemany(
-                    "UPDATE rollout_requests SET done_ns = %s WHERE id = %s AND done_ns IS NULL",
-                    [(now_ns, i) for i in ids],
-                )
-
-        self._run("finish_rollout_requests", go)
-
-    def ota_status_since(
-        self, received_ns: int, *, limit: int = 10_000, after: bytes | None = None
-    ) -> list[tuple[int, bytes]]:
-        sql, args = _common.ota_status_page(received_ns, limit, after, "%s")
-
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> list[tuple[int, bytes]]:
-            rows = db.execute(sql, args).fetchall()
-            return [(int(r[0]), bytes(r[1])) for r in rows]
-
-        return self._run("ota_status_since", go)
-
-    # -- ingest sessions -----------------------------------------------------------------
-
-    def ingest_sessions(self) -> list[IngestSession]:
-        return self._run(
-            "ingest_sessions",
-            lambda db: _common.session_rows(db.execute(_common.SESSIONS_SELECT).fetchall()),
-        )
-
-    def save_ingest_sessions(
-        self, sessions: Sequence[IngestSession], *, if_state: str | None = None
-    ) -> int:
-        sql = _common.sessions_sql("%s", if_state is not None).encode()
-
-        def go(db: psycopg.Connection[tuple[Any, ...]]) -> int:
-            with db.transaction():
-                return sum(
-                    db.execute(sql, _common.session_params(s, if_state)).rowcount for s in sessions
-                )
-
-        return self._run("save_ingest_sessions", go)
 
     def ping(self) -> None:
         # A standby (a failover that left us on the wrong server) or a database set
