@@ -8,7 +8,7 @@
     │   │                not fit the perception signals / window / rules
     │   ├── ModelMismatch  the model does not fit (signals, window, rate, rule labels);
     │   │                  a swap is refused and the old model keeps serving
-    │   └── RulesError     (edge_agent.rules) a rule names a label the model does not have
+    │   └── RulesError     a rule names a label or signal the model or perception lacks
     ├── ServiceError     a service the agent needs cannot start (the health API's port
     │                    is taken); fatal at start, with this message
     ├── StatePathError   a folder or file the config makes the agent write cannot be made
@@ -51,6 +51,10 @@ class StatePathError(AgentError):
 
 class ReasoningError(AgentError):
     """The reasoning stage cannot run with this model (at start: fatal, with this message)."""
+
+
+class RulesError(ReasoningError):
+    """The rules do not fit the model or the perception signals (unknown label or signal)."""
 
 
 class ModelMismatch(ReasoningError):

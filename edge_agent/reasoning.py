@@ -85,7 +85,7 @@ import numpy as np
 import numpy.typing as npt
 
 from edge_agent.breaker import Breaker, BreakerSpec
-from edge_agent.errors import ModelMismatch
+from edge_agent.errors import ModelMismatch, RulesError
 from edge_agent.ood import HealthSpec, ModelHealth, Notice
 from edge_agent.perception import PerceptionSpec, Window
 from edge_agent.rules import (
@@ -96,7 +96,6 @@ from edge_agent.rules import (
     Decision,
     Level,
     RuleFiring,
-    RulesError,
     RuleSet,
     dropout_finding,
 )

@@ -51,7 +51,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from edge_agent.errors import ReasoningError
+from edge_agent.errors import RulesError
 from edge_agent.ood import Notice
 
 Stat = Literal["mean", "min", "max", "last"]
@@ -65,10 +65,6 @@ OPS: tuple[Op, ...] = ("<", "<=", ">", ">=")
 NORMAL = "normal"
 #: Name of the built-in stale-signal rule (and of its alarm).
 DROPOUT = "dropout"
-
-
-class RulesError(ReasoningError):
-    """The rules do not fit the model or the perception signals (unknown label or signal)."""
 
 
 # -- constraints ------------------------------------------------------------------------------
@@ -588,7 +584,6 @@ __all__ = [
     "RuleFiring",
     "RuleKind",
     "RuleSet",
-    "RulesError",
     "Stat",
     "classify",
     "dropout_finding",

@@ -1,1 +1,8 @@
-"""fleet."""
+"""The EdgeFleet fleet manager: store, ingest, PKI, keys, bundles, rollouts and its CLI."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("edgefleet")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0.0.0+unknown"

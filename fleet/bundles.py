@@ -28,7 +28,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ec
 
-import edge_agent
+import fleet
 from fleet import target as _target
 from fleet.errors import BundleError
 from ota import build as ota_build
@@ -526,7 +526,7 @@ def inspect_bundle(
         first = types[0] if isinstance(types, list) and types else None
         device_type = first if isinstance(first, str) else "unknown"
     if agent_version is None:
-        agent_version = edge_agent.__version__
+        agent_version = fleet.__version__
     wanted = bf.signed.get("required_permissions")
     perms: frozenset[str] = frozenset()
     if isinstance(wanted, list):

@@ -29,7 +29,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from edge_agent import __version__
+from fleet import __version__
 from fleet.artifacts_cli import app as artifacts_app
 from fleet.bundle_cli import bundle_app
 from fleet.cli_common import (

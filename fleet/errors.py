@@ -11,6 +11,9 @@
      ├── BundleError             a bundle cannot be built, read, signed or inspected
      ├── IngestError             the ingest service cannot run (bad broker, bad options)
      ├── MessageRefused          one uplink message quarantined (bad topic, schema, device)
+     ├── RolloutError            a rollout cannot be created or changed (bundle, plan, request)
+     │    └── PlanError          (also a ValueError) a selector, wave list or threshold that
+     │                           cannot be planned; says what and where
      └── ArtifactError           the artifact server cannot bind, read its folder or publish
           └── ArtifactPortInUse  its HTTP or CoAP port is taken by another process
 """
@@ -103,3 +106,11 @@ class ArtifactPortInUse(ArtifactError):
         self.transport = transport
         self.host = host
         self.port = port
+
+
+class RolloutError(FleetError):
+    """A rollout cannot be created or changed: the bundle, the plan or the request."""
+
+
+class PlanError(RolloutError, ValueError):
+    """A selector, wave list or threshold that cannot be planned; says what and where."""

@@ -18,10 +18,19 @@ import typer
 from rich.table import Table
 
 from fleet.cli_common import JsonOpt, StoreOpt, fail, open_cli_store, out
-from fleet.errors import FleetError
+from fleet.errors import FleetError, PlanError, RolloutError
 from fleet.rollout import machine as m
-from fleet.rollout.orchestrator import RolloutError, create_rollout, load, request
-from fleet.rollout.plan import TIERS, PlanError, parse_fraction, parse_selector, parse_waves
+from fleet.rollout.orchestrator import (
+    create_rollout,
+    load,
+    request,
+)
+from fleet.rollout.plan import (
+    TIERS,
+    parse_fraction,
+    parse_selector,
+    parse_waves,
+)
 from fleet.store import Store
 
 _GROUP = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")

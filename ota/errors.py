@@ -22,9 +22,11 @@
      ├── FetchError              the transport failed (transient: retried with backoff)
      │    ├── FetchStalled       no byte arrived within the stall timeout
      │    └── FetchTooLarge      the peer sent more than the declared length (permanent)
-     └── ApplyError              the device could not stage or activate a verified bundle
-          ├── StorageError       writing the store or a slot failed (disk full, I/O)
-          └── ActivationError    the new version could not be switched in (load, swap)
+     ├── ApplyError              the device could not stage or activate a verified bundle
+     │    ├── StorageError       writing the store or a slot failed (disk full, I/O)
+     │    └── ActivationError    the new version could not be switched in (load, swap)
+     └── IllegalTransition       an event the journal's state does not accept (a bug, or a
+                                 stale command); ``ota.machine.step`` raises it
 
 Every error carries ``code`` (a short stable name for status reports and the fleet's retry
 policy) and ``permanent`` (true when retrying the same bundle cannot succeed).
@@ -163,3 +165,10 @@ class ActivationError(ApplyError):
     """The new version could not be switched in (the model or config did not load)."""
 
     code = "activation"
+
+
+class IllegalTransition(OtaError):
+    """An event that the current state does not accept (a bug, or a stale command)."""
+
+    code = "illegal_transition"
+    permanent = True

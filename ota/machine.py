@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from ota.errors import IllegalTransition
+
 State = Literal[
     "idle", "fetching", "verifying", "staged", "activating", "probation", "committing",
     "rolling_back",
@@ -66,10 +68,6 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
 
 #: How many superseded versions of each kind stay in the store for rollback.
 KEEP_VERSIONS = 2
-
-
-class IllegalTransition(Exception):
-    """An event that the current state does not accept (a bug, or a stale command)."""
 
 
 @dataclass(frozen=True)

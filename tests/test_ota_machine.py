@@ -11,11 +11,11 @@ from typing import Any, get_args
 
 import pytest
 
+from ota.errors import IllegalTransition
 from ota.machine import (
     KEEP_VERSIONS,
     TRANSITIONS,
     Event,
-    IllegalTransition,
     Installed,
     Journal,
     Outcome,

@@ -12,10 +12,10 @@ from fractions import Fraction
 
 import pytest
 
+from fleet.errors import PlanError
 from fleet.rollout.plan import (
     TIERS,
     Candidate,
-    PlanError,
     parse_fraction,
     parse_selector,
     parse_waves,

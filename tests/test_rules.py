@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from edge_agent.breaker import Breaker, BreakerSpec
+from edge_agent.errors import RulesError
 from edge_agent.rules import (
     _TRANSITIONS,
     DROPOUT,
@@ -20,7 +21,6 @@ from edge_agent.rules import (
     Level,
     Phase,
     RuleFiring,
-    RulesError,
     RuleSet,
     classify,
     dropout_finding,

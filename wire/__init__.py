@@ -6,6 +6,7 @@ Defined once, here, and imported by both sides (``edge_agent.uplink`` publishes 
 """
 
 from wire.commands import OtaCommand, decode_command, encode_command
+from wire.errors import WireError
 from wire.messages import (
     KINDS,
     MAX_PAYLOAD_BYTES,
@@ -19,7 +20,6 @@ from wire.messages import (
     StateMsg,
     TelemetryMsg,
     TelemetryPeriod,
-    WireError,
     decode,
     encode,
 )

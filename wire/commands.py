@@ -12,8 +12,12 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from wire.errors import WireError
 from wire.jsonscan import scan
-from wire.messages import MAX_DEPTH, Name, WireError
+from wire.messages import (
+    MAX_DEPTH,
+    Name,
+)
 
 #: An offer is a URL and a few numbers.
 MAX_COMMAND_BYTES = 4096

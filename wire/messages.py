@@ -30,7 +30,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from wire.jsonscan import printable, scan
+from wire.errors import WireError
+from wire.jsonscan import scan
 
 #: Refused before parsing. A 1 s telemetry aggregate of 64 signals is ~5 KB; a decision ~1 KB.
 MAX_PAYLOAD_BYTES = 256 * 1024
@@ -49,20 +50,6 @@ U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 _NO_NUL = r"^[^\x00]*$"
 Text = Annotated[str, msgspec.Meta(max_length=1024, pattern=_NO_NUL)]
 ShortText = Annotated[str, msgspec.Meta(max_length=128, pattern=_NO_NUL)]
-
-
-class WireError(ValueError):
-    """A payload that does not fit the contract. ``where`` is a JSON path (``$.seq``).
-
-    Both are printable: a NUL or control character quoted from the input (an unknown
-    field's name) is escaped, so the reason can go into any store and any log line.
-    """
-
-    def __init__(self, reason: str, where: str = "$") -> None:
-        reason, where = printable(reason), printable(where)
-        super().__init__(f"{reason} (at {where})" if where != "$" else reason)
-        self.reason = reason
-        self.where = where
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

@@ -41,13 +41,13 @@ from edge_agent.gates import set_socket_priority
 from edge_agent.rules import Decision
 from edge_agent.uplink.config import UplinkSection
 from edge_agent.uplink.outbox import Outbox, Session
+from wire.errors import WireError
 from wire.messages import (
     KINDS,
     MAX_PAYLOAD_BYTES,
     DecisionMsg,
     Message,
     StateMsg,
-    WireError,
     decode,
     encode,
     kind_of,

@@ -36,9 +36,12 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.reasoncodes import ReasonCode
 
-from fleet.errors import FleetError
+from fleet.errors import FleetError, RolloutError
 from fleet.rollout import machine as m
-from fleet.rollout.plan import Candidate, PlanError, plan
+from fleet.rollout.plan import (
+    Candidate,
+    plan,
+)
 from fleet.store import Store
 from ota.canonical import canonical, loads_strict
 from ota.efb import BundleReader
@@ -56,10 +59,6 @@ LINGER_S = 600.0
 CURSOR_OVERLAP_S = 30.0
 #: Status reports read per store query; a step reads pages until one is shorter.
 STATUS_PAGE = 10_000
-
-
-class RolloutError(FleetError):
-    """A rollout cannot be created or changed: the bundle, the plan or the request."""
 
 
 @dataclass(frozen=True)
@@ -563,8 +562,6 @@ async def _serve(cfg: RolloutService, stop: threading.Event) -> None:
 __all__ = [
     "MqttCommands",
     "Orchestrator",
-    "PlanError",
-    "RolloutError",
     "RolloutService",
     "create_rollout",
     "read_bundle",

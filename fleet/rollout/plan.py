@@ -18,13 +18,11 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from fleet.errors import PlanError
+
 TIERS = ("canary", "normal", "critical")
 SELECTOR_KEYS = ("site", "device_type", "group", "tier", "device")
 _NAME = re.compile(r"^[A-Za-z0-9_.:\-*]{1,128}$")
-
-
-class PlanError(ValueError):
-    """A selector, wave list or threshold that cannot be planned; says what and where."""
 
 
 @dataclass(frozen=True)
