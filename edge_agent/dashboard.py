@@ -39,7 +39,7 @@ from rich.panel import Panel
 from rich.text import Text
 
 from edge_agent.console import make_console
-from edge_agent.metrics import status_at
+from edge_agent.metrics_status import status_at
 from edge_agent.rules import NORMAL, Decision
 
 if TYPE_CHECKING:
