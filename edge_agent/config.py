@@ -347,12 +347,26 @@ def _unwrap(node: Any) -> Any:
 
 
 def _check(model: AgentConfigModel, base: Path) -> list[str]:
+    """Every finding across keys: names, what each source produces, perception, sections."""
+    errors = _check_source_names(model.sources)
+    produced, open_ended = _check_sources(model.sources, base, errors)
+    per = model.perception
+    errors.extend(_check_perception(per))
+    errors.extend(_check_reasoning(model.reasoning, per.signals))
+    errors.extend(model.memory.check(per.signals))
+    errors.extend(model.schedule.check())
+    errors.extend(resolve_uplink(model.uplink, base).check(per.signals))
+    errors.extend(model.ota.check(base))
+    errors.extend(_check_signals_produced(per.signals, produced, open_ended))
+    return errors
+
+
+def _check_source_names(src: SourcesSection) -> list[str]:
+    """A source name is used once across modbus, can and replay."""
     errors: list[str] = []
-    src = model.sources
+    names: dict[str, str] = {}
     if not (src.modbus or src.can or src.replay):
         errors.append("sources: no source configured; expected at least one of modbus, can, replay")
-
-    names: dict[str, str] = {}
     named: list[tuple[str, Sequence[ModbusSection | CanSection | ReplaySection]]] = [
         ("modbus", src.modbus),
         ("can", src.can),
@@ -365,9 +379,16 @@ def _check(model: AgentConfigModel, base: Path) -> list[str]:
                 errors.append(f"{where}: {item.name!r} is already used by {names[item.name]}")
             else:
                 names[item.name] = where
+    return errors
 
+
+def _check_sources(
+    src: SourcesSection, base: Path, errors: list[str]
+) -> tuple[dict[str, str], bool]:
+    """Each source's own checks (appended to ``errors``); returns which key produces each
+    signal, and whether some CAN/replay source without a signal list may produce anything."""
     produced: dict[str, str] = {}
-    open_ended = False  # a CAN/replay source without a signal list may produce anything
+    open_ended = False
     for i, mb in enumerate(src.modbus):
         at = f"sources.modbus[{i}]"
         errors.extend(check_modbus(mb, at))
@@ -386,16 +407,7 @@ def _check(model: AgentConfigModel, base: Path) -> list[str]:
     for kind, decoders in decoded:
         for i, item in enumerate(decoders):
             at = f"sources.{kind}[{i}]"
-            dbc = _resolve(item.dbc, base)
-            if not dbc.is_file():
-                errors.append(f"{at}.dbc: file not found: {str(dbc)!r}")
-            if isinstance(item, ReplaySection) and not _resolve(item.path, base).is_file():
-                errors.append(f"{at}.path: file not found: {str(_resolve(item.path, base))!r}")
-            if isinstance(item, CanSection) and item.backoff_min_ms > item.backoff_max_ms:
-                errors.append(
-                    f"{at}.backoff_min_ms: expected at most backoff_max_ms "
-                    f"({item.backoff_max_ms}); got {item.backoff_min_ms}"
-                )
+            errors.extend(_check_decoder(item, at, base))
             if not item.signals:
                 open_ended = True
             for sig in item.signals:
@@ -404,8 +416,26 @@ def _check(model: AgentConfigModel, base: Path) -> list[str]:
                     errors.append(f"{at}.signals: {full!r} is already produced by {produced[full]}")
                 else:
                     produced[full] = f"{at}.signals"
+    return produced, open_ended
 
-    per = model.perception
+
+def _check_decoder(item: CanSection | ReplaySection, at: str, base: Path) -> list[str]:
+    errors: list[str] = []
+    dbc = _resolve(item.dbc, base)
+    if not dbc.is_file():
+        errors.append(f"{at}.dbc: file not found: {str(dbc)!r}")
+    if isinstance(item, ReplaySection) and not _resolve(item.path, base).is_file():
+        errors.append(f"{at}.path: file not found: {str(_resolve(item.path, base))!r}")
+    if isinstance(item, CanSection) and item.backoff_min_ms > item.backoff_max_ms:
+        errors.append(
+            f"{at}.backoff_min_ms: expected at most backoff_max_ms "
+            f"({item.backoff_max_ms}); got {item.backoff_min_ms}"
+        )
+    return errors
+
+
+def _check_perception(per: PerceptionSection) -> list[str]:
+    errors: list[str] = []
     hop = per.hop if per.hop is not None else per.window
     if hop > per.window:
         errors.append(f"perception.hop: expected at most window ({per.window}); got {hop}")
@@ -414,13 +444,15 @@ def _check(model: AgentConfigModel, base: Path) -> list[str]:
             f"perception.rate_hz: expected a rate with a whole number of ns per step "
             f"(e.g. 50, 100, 200, 1000); got {per.rate_hz}"
         )
-    errors.extend(_check_reasoning(model.reasoning, per.signals))
-    errors.extend(model.memory.check(per.signals))
-    errors.extend(model.schedule.check())
-    errors.extend(resolve_uplink(model.uplink, base).check(per.signals))
-    errors.extend(model.ota.check(base))
+    return errors
+
+
+def _check_signals_produced(
+    signals: Sequence[str], produced: Mapping[str, str], open_ended: bool
+) -> list[str]:
+    errors: list[str] = []
     seen: set[str] = set()
-    for k, sig in enumerate(per.signals):
+    for k, sig in enumerate(signals):
         if sig in seen:
             errors.append(f"perception.signals[{k}]: {sig!r} is listed twice")
         seen.add(sig)
@@ -480,46 +512,43 @@ def _resolve(path: str, base: Path) -> Path:
 
 def _convert(model: AgentConfigModel, path: Path, base: Path) -> AgentConfig:
     per = model.perception
-    sources: list[ModbusSpec | CanSpec | ReplaySpec] = []
-    for mb in model.sources.modbus:
-        regs = tuple(
-            RegisterSpec(
-                name=r.name,
-                address=r.address,
-                function=r.function,
-                type=r.type,
-                order=r.order,
-                unit=r.unit if r.unit is not None else mb.unit,
-                scale=r.scale,
-                offset=r.offset,
-                deadband=r.deadband,
-                poll_ms=r.poll_ms if r.poll_ms is not None else mb.poll_ms,
-                bit=r.bit,
-                bits=r.bits,
-            )
-            for r in mb.registers
-        )
-        sources.append(
-            ModbusSpec(
-                name=mb.name,
-                transport=mb.transport,
-                host=mb.host,
-                port=mb.port,
-                device=mb.device,
-                baudrate=mb.baudrate,
-                parity=mb.parity,
-                stopbits=mb.stopbits,
-                bytesize=mb.bytesize,
-                timeout_ms=mb.timeout_ms,
-                max_gap=mb.max_gap,
-                max_registers=mb.max_registers,
-                backoff_min_ms=mb.backoff_min_ms,
-                backoff_max_ms=mb.backoff_max_ms,
-                heartbeat_ms=mb.heartbeat_ms,
-                registers=regs,
-            )
-        )
-    for can in model.sources.can:
+    sources = _source_specs(model.sources, base)
+    reasoning = _reasoning_config(model.reasoning, base)
+    return AgentConfig(
+        path=path,
+        agent=model.agent,
+        perception=PerceptionSpec(
+            signals=tuple(per.signals),
+            rate_hz=per.rate_hz,
+            window=per.window,
+            hop=per.hop if per.hop is not None else per.window,
+            interpolation=per.interpolation,
+            max_staleness_ms=per.max_staleness_ms,
+            lateness_ms=per.lateness_ms,
+            max_catch_up_windows=per.max_catch_up_windows,
+        ),
+        queue_size=per.queue_size,
+        sources=sources,
+        reasoning=reasoning,
+        memory=model.memory,
+        state_dir=_resolve(model.agent.state_dir, base),
+        schedule=model.schedule,
+        gate_control_list=GateControlList.from_section(
+            model.schedule,
+            default_base_ns=window_close_phase_ns(
+                model.schedule.cycle_us * 1000, lateness_ms=per.lateness_ms
+            ),
+        ),
+        api=model.api,
+        uplink=resolve_uplink(model.uplink, base),
+        ota=model.ota,
+    )
+
+
+def _source_specs(src: SourcesSection, base: Path) -> tuple[ModbusSpec | CanSpec | ReplaySpec, ...]:
+    """The drivers' specs of every configured source (paths resolved against ``base``)."""
+    sources: list[ModbusSpec | CanSpec | ReplaySpec] = [_modbus_spec(mb) for mb in src.modbus]
+    for can in src.can:
         sources.append(
             CanSpec(
                 name=can.name,
@@ -535,7 +564,7 @@ def _convert(model: AgentConfigModel, path: Path, base: Path) -> AgentConfig:
                 backoff_max_ms=can.backoff_max_ms,
             )
         )
-    for rp in model.sources.replay:
+    for rp in src.replay:
         sources.append(
             ReplaySpec(
                 name=rp.name,
@@ -548,7 +577,48 @@ def _convert(model: AgentConfigModel, path: Path, base: Path) -> AgentConfig:
                 strict=rp.strict,
             )
         )
-    rs = model.reasoning
+    return tuple(sources)
+
+
+def _modbus_spec(mb: ModbusSection) -> ModbusSpec:
+    regs = tuple(
+        RegisterSpec(
+            name=r.name,
+            address=r.address,
+            function=r.function,
+            type=r.type,
+            order=r.order,
+            unit=r.unit if r.unit is not None else mb.unit,
+            scale=r.scale,
+            offset=r.offset,
+            deadband=r.deadband,
+            poll_ms=r.poll_ms if r.poll_ms is not None else mb.poll_ms,
+            bit=r.bit,
+            bits=r.bits,
+        )
+        for r in mb.registers
+    )
+    return ModbusSpec(
+        name=mb.name,
+        transport=mb.transport,
+        host=mb.host,
+        port=mb.port,
+        device=mb.device,
+        baudrate=mb.baudrate,
+        parity=mb.parity,
+        stopbits=mb.stopbits,
+        bytesize=mb.bytesize,
+        timeout_ms=mb.timeout_ms,
+        max_gap=mb.max_gap,
+        max_registers=mb.max_registers,
+        backoff_min_ms=mb.backoff_min_ms,
+        backoff_max_ms=mb.backoff_max_ms,
+        heartbeat_ms=mb.heartbeat_ms,
+        registers=regs,
+    )
+
+
+def _reasoning_config(rs: ReasoningSection, base: Path) -> ReasoningConfig:
     rules = RuleSet(
         constraints=tuple(
             ConstraintRule(
@@ -568,7 +638,7 @@ def _convert(model: AgentConfigModel, path: Path, base: Path) -> AgentConfig:
         top_k=rs.top_signals,
     )
     budgets = rs.budget_ms.model_dump()
-    reasoning = ReasoningConfig(
+    return ReasoningConfig(
         enabled=rs.enabled,
         model_dir=_resolve(rs.model_dir, base) if rs.model_dir is not None else None,
         backend=None if rs.backend == "auto" else rs.backend,
@@ -585,35 +655,6 @@ def _convert(model: AgentConfigModel, path: Path, base: Path) -> AgentConfig:
         ),
         budget_ms=budgets,
         acquisition=rs.acquisition,
-    )
-    return AgentConfig(
-        path=path,
-        agent=model.agent,
-        perception=PerceptionSpec(
-            signals=tuple(per.signals),
-            rate_hz=per.rate_hz,
-            window=per.window,
-            hop=per.hop if per.hop is not None else per.window,
-            interpolation=per.interpolation,
-            max_staleness_ms=per.max_staleness_ms,
-            lateness_ms=per.lateness_ms,
-            max_catch_up_windows=per.max_catch_up_windows,
-        ),
-        queue_size=per.queue_size,
-        sources=tuple(sources),
-        reasoning=reasoning,
-        memory=model.memory,
-        state_dir=_resolve(model.agent.state_dir, base),
-        schedule=model.schedule,
-        gate_control_list=GateControlList.from_section(
-            model.schedule,
-            default_base_ns=window_close_phase_ns(
-                model.schedule.cycle_us * 1000, lateness_ms=per.lateness_ms
-            ),
-        ),
-        api=model.api,
-        uplink=resolve_uplink(model.uplink, base),
-        ota=model.ota,
     )
 
 

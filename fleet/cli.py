@@ -23,7 +23,7 @@ import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -72,6 +72,9 @@ app.add_typer(quarantine_app, name="quarantine")
 
 _fail = fail
 _open = open_cli_store
+if TYPE_CHECKING:
+    from fleet.ingest import IngestConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -268,41 +271,20 @@ def serve(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    service: threading.Thread | None = None
     service_error: list[BaseException] = []
-    if rollouts:
-        from fleet.rollout.orchestrator import RolloutService, serve_rollouts  # noqa: PLC0415
-
-        rcfg = RolloutService(
-            store_url=config.store_url,
+    service = (
+        _start_rollouts(
+            config,
+            stop,
+            service_error,
             artifacts=artifacts.resolve(),
-            broker_host=host,
-            broker_port=port,
-            http_host=artifact_host,
-            http_port=artifact_port,
+            http=(artifact_host, artifact_port),
             coap_port=coap_port,
             advertise=advertise,
-            username=config.username,
-            password=config.password,
-            tls_ca=config.tls_ca,
-            tls_cert=config.tls_cert,
-            tls_key=config.tls_key,
         )
-
-        def rollouts_main() -> None:
-            # A rollout service that cannot start (a port in use, the store) or dies must
-            # take `fleet serve` down with it: an ingest running on with no orchestrator
-            # looks healthy while every rollout silently stands still.
-            try:
-                serve_rollouts(rcfg, stop)
-            except BaseException as exc:  # its one line is printed by serve, below
-                service_error.append(exc)
-                if not isinstance(exc, FleetError):  # a bug: the trace is worth having
-                    log.exception("rollout service failed; stopping fleet serve")
-                stop.set()
-
-        service = threading.Thread(target=rollouts_main, name="rollouts", daemon=True)
-        service.start()
+        if rollouts
+        else None
+    )
     try:
         stats = run(
             config,
@@ -319,19 +301,72 @@ def serve(
         if service is not None:
             service.join(timeout=5)
     if service_error:
-        failure = service_error[0]
-        if isinstance(failure, ArtifactPortInUse):
-            option = "--artifact-port" if failure.transport == "HTTP" else "--coap-port"
-            _fail(
-                f"{option}: {failure.host}:{failure.port} is already in use (another fleet "
-                "serve?); choose another port",
-                EXIT_FAILURE,
-            )
-        _fail(f"rollout service failed: {failure}", EXIT_FAILURE)
+        _fail(_service_failure(service_error[0]), EXIT_FAILURE)
     per_worker = [s.as_dict() for s in stats]
     if as_json:
         _print_json({"workers": per_worker})
         return
+    _print_worker_summary(per_worker)
+
+
+def _start_rollouts(
+    config: IngestConfig,
+    stop: threading.Event,
+    errors: list[BaseException],
+    *,
+    artifacts: Path,
+    http: tuple[str, int],
+    coap_port: int,
+    advertise: str,
+) -> threading.Thread:
+    """The artifact server and rollout orchestrator on a thread of their own, with the
+    ingest's broker and credentials. What ends it with an exception is appended to
+    ``errors`` and sets ``stop``: an ingest running on with no orchestrator looks healthy
+    while every rollout silently stands still."""
+    from fleet.rollout.orchestrator import RolloutService, serve_rollouts  # noqa: PLC0415
+
+    rcfg = RolloutService(
+        store_url=config.store_url,
+        artifacts=artifacts,
+        broker_host=config.broker_host,
+        broker_port=config.broker_port,
+        http_host=http[0],
+        http_port=http[1],
+        coap_port=coap_port,
+        advertise=advertise,
+        username=config.username,
+        password=config.password,
+        tls_ca=config.tls_ca,
+        tls_cert=config.tls_cert,
+        tls_key=config.tls_key,
+    )
+
+    def rollouts_main() -> None:
+        try:
+            serve_rollouts(rcfg, stop)
+        except BaseException as exc:  # its one line is printed by serve
+            errors.append(exc)
+            if not isinstance(exc, FleetError):  # a bug: the trace is worth having
+                log.exception("rollout service failed; stopping fleet serve")
+            stop.set()
+
+    service = threading.Thread(target=rollouts_main, name="rollouts", daemon=True)
+    service.start()
+    return service
+
+
+def _service_failure(failure: BaseException) -> str:
+    """The one line ``fleet serve`` ends with when its rollout service failed."""
+    if isinstance(failure, ArtifactPortInUse):
+        option = "--artifact-port" if failure.transport == "HTTP" else "--coap-port"
+        return (
+            f"{option}: {failure.host}:{failure.port} is already in use (another fleet "
+            "serve?); choose another port"
+        )
+    return f"rollout service failed: {failure}"
+
+
+def _print_worker_summary(per_worker: list[dict[str, Any]]) -> None:
     for i, s in enumerate(per_worker):
         q = sum(s["quarantined"].values())
         err.print(

@@ -396,6 +396,50 @@ def issue(
     refused unless ``force`` (re-issue, e.g. a lost key, or a move to another site): two
     certificates of different kinds with one CN would share one MQTT identity.
     """
+    _check_request(name, kind, days, list(hosts or []), site)
+    ca_cert, ca_key = _load_ca(ca_dir, passphrase)
+    registry = ca_dir / REGISTRY
+    recorded = registry / f"{name}.crt"
+    if recorded.exists() and not force:
+        old = read_cert(recorded)
+        raise PkiError(
+            f"{recorded}: {name!r} was already issued as a {cert_kind(old, recorded)} "
+            "certificate; refusing to issue it again (use force to re-issue)"
+        )
+    sans = _alt_names(name, list(hosts or []), site)
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _leaf(
+        ca_cert,
+        ca_key,
+        key,
+        name=name,
+        kind=kind,
+        sans=sans,
+        days=days,
+        now=now or datetime.now(UTC),
+    )
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+
+    _mkdir_private(out_dir)
+    _mkdir_private(registry / BY_SERIAL)
+    # Recorded before anyone can hold it: a crash after this leaves a certificate that
+    # `revoke` can still find; one before leaves a certificate nobody has.
+    write_durable(registry / BY_SERIAL / f"{name}.{cert.serial_number:x}.crt", cert_pem)
+    paths = IssuedPaths(
+        name, kind, out_dir / f"{name}.crt", out_dir / f"{name}.key", out_dir / CA_CERT
+    )
+    write_durable(paths.key, _key_pem(key, None), mode=0o600)
+    write_durable(paths.cert, cert_pem)
+    if paths.ca_cert.resolve() != (ca_dir / CA_CERT).resolve():
+        write_durable(paths.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
+    # The register entry goes last: it is what makes a name "taken", so it must only exist
+    # once the holder's files are complete.
+    write_durable(recorded, cert_pem)
+    return paths
+
+
+def _check_request(name: str, kind: Kind, days: int, hosts: list[str], site: str | None) -> None:
+    """What :func:`issue` refuses before it touches the CA: names, kinds, hosts and sites."""
     check_name(name)
     if f"{name}.crt" == CA_CERT:
         # Its files would be ca.crt/ca.key, next to (or over) the CA's own.
@@ -404,7 +448,6 @@ def issue(
         raise PkiError(f"certificate kind {kind!r} is not one of {', '.join(KINDS)}")
     if days <= 0:
         raise PkiError(f"{name}: certificate validity must be at least one day, got {days}")
-    hosts = list(hosts or [])
     if kind == "server" and not hosts:
         raise PkiError(f"{name}: a server certificate needs at least one host name or address")
     if kind != "server" and hosts:
@@ -423,15 +466,10 @@ def issue(
             ) from None
     elif site is not None:
         raise PkiError(f"{name}: a site is only for device certificates, not {kind}")
-    ca_cert, ca_key = _load_ca(ca_dir, passphrase)
-    registry = ca_dir / REGISTRY
-    recorded = registry / f"{name}.crt"
-    if recorded.exists() and not force:
-        old = read_cert(recorded)
-        raise PkiError(
-            f"{recorded}: {name!r} was already issued as a {cert_kind(old, recorded)} "
-            "certificate; refusing to issue it again (use force to re-issue)"
-        )
+
+
+def _alt_names(name: str, hosts: list[str], site: str | None) -> list[x509.GeneralName]:
+    """The subjectAltName entries: each host as an IP address or a DNS name, and the site."""
     sans: list[x509.GeneralName] = []
     for host in hosts:
         try:
@@ -445,8 +483,21 @@ def issue(
     if site is not None:
         sans.append(x509.UniformResourceIdentifier(SITE_URN + site))
 
-    now = now or datetime.now(UTC)
-    key = ec.generate_private_key(ec.SECP256R1())
+    return sans
+
+
+def _leaf(
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    key: ec.EllipticCurvePrivateKey,
+    *,
+    name: str,
+    kind: Kind,
+    sans: list[x509.GeneralName],
+    days: int,
+    now: datetime,
+) -> x509.Certificate:
+    """The certificate itself, signed by the CA (never valid past the CA)."""
     eku = ExtendedKeyUsageOID.SERVER_AUTH if kind == "server" else ExtendedKeyUsageOID.CLIENT_AUTH
     ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
     builder = (
@@ -488,25 +539,7 @@ def issue(
     )
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    cert = builder.sign(ca_key, hashes.SHA256())
-    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
-
-    _mkdir_private(out_dir)
-    _mkdir_private(registry / BY_SERIAL)
-    # Recorded before anyone can hold it: a crash after this leaves a certificate that
-    # `revoke` can still find; one before leaves a certificate nobody has.
-    write_durable(registry / BY_SERIAL / f"{name}.{cert.serial_number:x}.crt", cert_pem)
-    paths = IssuedPaths(
-        name, kind, out_dir / f"{name}.crt", out_dir / f"{name}.key", out_dir / CA_CERT
-    )
-    write_durable(paths.key, _key_pem(key, None), mode=0o600)
-    write_durable(paths.cert, cert_pem)
-    if paths.ca_cert.resolve() != (ca_dir / CA_CERT).resolve():
-        write_durable(paths.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM))
-    # The register entry goes last: it is what makes a name "taken", so it must only exist
-    # once the holder's files are complete.
-    write_durable(recorded, cert_pem)
-    return paths
+    return builder.sign(ca_key, hashes.SHA256())
 
 
 def list_issued(ca_dir: Path) -> list[IssuedCert]:

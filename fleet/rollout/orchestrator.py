@@ -27,7 +27,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,42 @@ LINGER_S = 600.0
 CURSOR_OVERLAP_S = 30.0
 #: Status reports read per store query; a step reads pages until one is shorter.
 STATUS_PAGE = 10_000
+
+
+@dataclass
+class _Step:
+    """What one :meth:`Orchestrator.step` works on: the rollouts it watches (with their
+    transport), which of them changed, and the commands their machines asked for."""
+
+    rollouts: dict[str, tuple[m.Rollout, str]]
+    changed: set[str] = field(default_factory=set)
+    commands: list[tuple[m.Rollout, str, m.Command]] = field(default_factory=list)
+
+    def request(self, rid: str, action: str, now: int) -> None:
+        """An operator's pause, resume or abort of ``rid`` (ignored if not watched)."""
+        if rid not in self.rollouts:
+            return
+        r, transport = self.rollouts[rid]
+        if action == "pause":
+            r = m.pause(r, now)
+        elif action == "resume":
+            r = m.resume(r, now)
+        else:
+            r, cmds = m.abort(r, now)
+            self.commands += [(r, transport, c) for c in cmds]
+        self.rollouts[rid] = (r, transport)
+        self.changed.add(rid)
+
+    def tick(self, rid: str, now: int) -> None:
+        """Time passes for ``rid``: waves open, gates and timeouts are judged."""
+        r, transport = self.rollouts[rid]
+        nxt, cmds = m.tick(r, now)
+        if nxt != r or cmds:
+            self.rollouts[rid] = (nxt, transport)
+            self.changed.add(rid)
+            if nxt.state != r.state or nxt.wave != r.wave:
+                log.info("rollout %s: %s", rid, nxt.history[-1][1] if nxt.history else nxt.state)
+        self.commands += [(nxt, transport, c) for c in cmds]
 
 
 @dataclass(frozen=True)
@@ -254,12 +290,41 @@ class Orchestrator:
         rollout, whose next step decides again.
         """
         now = self.clock()
-        # Stopped rollouts stay watched for a while: a device that reports a regression
-        # late must still be told to roll back (machine.tick does that).
-        recent = now - int(LINGER_S * 1e9)
         # Marked done only after the saves: a step that fails (or a crash) applies them again.
         requests = self.store.pending_rollout_requests()
-        asked = {rid for _, rid, _ in requests}
+        work = _Step(self._watched(now, {rid for _, rid, _ in requests}))
+        for _, rid, action in requests:
+            work.request(rid, action, now)
+        cursor = self.cursor
+        if work.rollouts:
+            if cursor is None:
+                # After a (re)start: every status since the oldest active rollout began.
+                cursor = min(r.created_ns for r, _ in work.rollouts.values()) - 1
+            cursor = self._apply_statuses(work, cursor, now)
+        for rid in list(work.rollouts):
+            work.tick(rid, now)
+        saved: set[str] = set()
+        try:
+            for rid in sorted(work.changed):
+                r, transport = work.rollouts[rid]
+                doc = json.dumps({**r.to_json(), "transport": transport})
+                self.store.save_rollout(rid, r.state, doc, now)
+                saved.add(rid)
+        finally:
+            # Even when a later save failed: a saved rollout counts on its commands sent.
+            self._publish([(r, t, c) for r, t, c in work.commands if r.id in saved])
+        # Every save went through: the step is done.
+        if requests:
+            self.store.finish_rollout_requests([i for i, _, _ in requests], now)
+        self.cursor = cursor
+        return [r for r, _ in work.rollouts.values() if r.state in ("running", "paused")]
+
+    def _watched(self, now: int, asked: set[str]) -> dict[str, tuple[m.Rollout, str]]:
+        """The stored rollouts this step looks at: active ones, those stopped within
+        :data:`LINGER_S` (a device that reports a regression late must still be told to roll
+        back; machine.tick does that) and any an operator's request names (an abort of one
+        halted long ago still sends rollback to its devices in flight)."""
+        recent = now - int(LINGER_S * 1e9)
         rollouts = {}
         for rid, state, doc in self.store.rollouts():
             try:
@@ -270,108 +335,67 @@ class Orchestrator:
                     self._bad_docs.add(rid)
                     log.error("rollout %s: its stored state is unreadable (%s); skipped", rid, exc)
                 continue
-            # An operator's request is for any rollout: an abort of one halted long ago
-            # still sends rollback to its devices in flight.
             if state in ("running", "paused") or r.updated_ns >= recent or rid in asked:
                 rollouts[rid] = (r, transport)
-        changed: set[str] = set()
-        commands: list[tuple[m.Rollout, str, m.Command]] = []
+        return rollouts
 
-        for _, rid, action in requests:
-            if rid not in rollouts:
+    def _apply_statuses(self, work: _Step, cursor: int, now: int) -> int:
+        """Feed every status report stored since ``cursor`` (less the overlap) to the
+        rollout that owns it; returns the new cursor."""
+        # A device's report belongs to the rollout that holds that device for that bundle:
+        # an active one first, then the newest (two rollouts may share a bundle).
+        owners: dict[tuple[str, str], str] = {}
+        for rid, (r, _) in sorted(
+            work.rollouts.items(),
+            key=lambda kv: (kv[1][0].state in ("running", "paused"), kv[1][0].created_ns),
+        ):
+            for device in r.devices:
+                owners[(r.bundle_id, device)] = rid
+        # Rows are stamped on arrival and committed in batches (several workers, retries):
+        # a row may land below the cursor. Re-reading a trailing window catches it; the
+        # machine ignores what it applied already ((boot_id, seq) order). The window is
+        # read to its end, page by page, so no number of rows in it can hold the cursor.
+        since = cursor - int(CURSOR_OVERLAP_S * 1e9)
+        for received, body in self._statuses(since):
+            cursor = max(cursor, received)
+            try:
+                msg = decode("ota/status", body)
+            except WireError:
+                self.ignored += 1
                 continue
-            r, transport = rollouts[rid]
-            if action == "pause":
-                r = m.pause(r, now)
-            elif action == "resume":
-                r = m.resume(r, now)
-            else:
-                r, cmds = m.abort(r, now)
-                commands += [(r, transport, c) for c in cmds]
-            rollouts[rid] = (r, transport)
-            changed.add(rid)
+            if not isinstance(msg, OtaStatusMsg):
+                continue
+            owner = owners.get((msg.bundle_id, msg.device))
+            if owner is not None:
+                self._apply_status(work, owner, msg, received, now)
+        return cursor
 
-        cursor = self.cursor
-        if rollouts:
-            if cursor is None:
-                # After a (re)start: every status since the oldest active rollout began.
-                cursor = min(r.created_ns for r, _ in rollouts.values()) - 1
-            # A device's report belongs to the rollout that holds that device for that
-            # bundle: an active one first, then the newest (two rollouts may share a bundle).
-            owners: dict[tuple[str, str], str] = {}
-            for rid, (r, _) in sorted(
-                rollouts.items(),
-                key=lambda kv: (kv[1][0].state in ("running", "paused"), kv[1][0].created_ns),
-            ):
-                for device in r.devices:
-                    owners[(r.bundle_id, device)] = rid
-            # Rows are stamped on arrival and committed in batches (several workers, retries):
-            # a row may land below the cursor. Re-reading a trailing window catches it; the
-            # machine ignores what it applied already ((boot_id, seq) order). The window is
-            # read to its end, page by page, so no number of rows in it can hold the cursor.
-            since = cursor - int(CURSOR_OVERLAP_S * 1e9)
-            for received, body in self._statuses(since):
-                cursor = max(cursor, received)
-                try:
-                    msg = decode("ota/status", body)
-                except WireError:
-                    self.ignored += 1
-                    continue
-                if not isinstance(msg, OtaStatusMsg):
-                    continue
-                owner = owners.get((msg.bundle_id, msg.device))
-                if owner is None:
-                    continue
-                r, transport = rollouts[owner]
-                try:
-                    nxt = m.on_status(
-                        r,
-                        device=msg.device,
-                        boot_id=msg.boot_id,
-                        seq=msg.seq,
-                        bundle_id=msg.bundle_id,
-                        state=msg.state,
-                        reason=msg.reason,
-                        detail=dict(msg.detail),
-                        t_ns=msg.t_ns,
-                        received_ns=received,
-                        now_ns=now,
-                    )
-                except (ValueError, TypeError, ArithmeticError) as exc:
-                    # A device's odd report is that report's problem, not the service's.
-                    self.ignored += 1
-                    log.warning("rollout %s: report from %s ignored: %s", owner, msg.device, exc)
-                    continue
-                if nxt != r:
-                    rollouts[owner] = (nxt, transport)
-                    changed.add(owner)
-
-        for rid, (r, transport) in list(rollouts.items()):
-            nxt, cmds = m.tick(r, now)
-            if nxt != r or cmds:
-                rollouts[rid] = (nxt, transport)
-                changed.add(rid)
-                if nxt.state != r.state or nxt.wave != r.wave:
-                    log.info(
-                        "rollout %s: %s", rid, nxt.history[-1][1] if nxt.history else nxt.state
-                    )
-            commands += [(nxt, transport, c) for c in cmds]
-
-        saved: set[str] = set()
+    def _apply_status(
+        self, work: _Step, owner: str, msg: OtaStatusMsg, received: int, now: int
+    ) -> None:
+        r, transport = work.rollouts[owner]
         try:
-            for rid in sorted(changed):
-                r, transport = rollouts[rid]
-                doc = json.dumps({**r.to_json(), "transport": transport})
-                self.store.save_rollout(rid, r.state, doc, now)
-                saved.add(rid)
-        finally:
-            # Even when a later save failed: a saved rollout counts on its commands sent.
-            self._publish([(r, t, c) for r, t, c in commands if r.id in saved])
-        # Every save went through: the step is done.
-        if requests:
-            self.store.finish_rollout_requests([i for i, _, _ in requests], now)
-        self.cursor = cursor
-        return [r for r, _ in rollouts.values() if r.state in ("running", "paused")]
+            nxt = m.on_status(
+                r,
+                device=msg.device,
+                boot_id=msg.boot_id,
+                seq=msg.seq,
+                bundle_id=msg.bundle_id,
+                state=msg.state,
+                reason=msg.reason,
+                detail=dict(msg.detail),
+                t_ns=msg.t_ns,
+                received_ns=received,
+                now_ns=now,
+            )
+        except (ValueError, TypeError, ArithmeticError) as exc:
+            # A device's odd report is that report's problem, not the service's.
+            self.ignored += 1
+            log.warning("rollout %s: report from %s ignored: %s", owner, msg.device, exc)
+            return
+        if nxt != r:
+            work.rollouts[owner] = (nxt, transport)
+            work.changed.add(owner)
 
     def _statuses(self, since: int) -> Iterator[tuple[int, bytes]]:
         """Every stored ``ota/status`` after ``since``, read in pages of :data:`STATUS_PAGE`
