@@ -6,7 +6,7 @@ A sender process puts DBC-encodable frames on a python-can ``udp_multicast`` bus
 8,000 frames/s (a saturated 1 Mbit/s classic CAN bus); a receiver process runs
 :class:`~drivers.can.reader.CanSource` into a :class:`~drivers.buffer.SampleBuffer` that a
 consumer coroutine drains, as the agent does. Both run in a private network namespace
-(``tests.netns``) so no multicast reaches a real NIC; this needs root.
+(``tests.support.netns``) so no multicast reaches a real NIC; this needs root.
 
 Every fourth frame is ``BENCH_CLOCK`` carrying the sender's ``time.time_ns()`` (64-bit
 signal ``T_NS``); the others are 4-signal Intel, Motorola and multiplexed extended-id
@@ -238,7 +238,7 @@ class Step:
 
 
 def run_step(ns: str, rate: int, seconds: float, port: int) -> Step:
-    from tests.netns import in_netns  # noqa: PLC0415
+    from tests.support.netns import in_netns  # noqa: PLC0415
 
     me = [sys.executable, "-m", "bench.can_ingest"]
     bus = ["--group", GROUP, "--port", str(port)]
@@ -307,7 +307,7 @@ HEADER = (
 
 
 def orchestrate(quick: bool, as_json: bool) -> int:
-    from tests.netns import netns, netns_problem  # noqa: PLC0415
+    from tests.support.netns import netns, netns_problem  # noqa: PLC0415
 
     problem = netns_problem()
     if problem is not None:
@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.role is None:
         return orchestrate(args.quick, args.json)
-    from tests.netns import assert_isolated  # noqa: PLC0415
+    from tests.support.netns import assert_isolated  # noqa: PLC0415
 
     assert_isolated()
     if args.role == "sender":

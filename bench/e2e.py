@@ -2,7 +2,7 @@
 
 ``python -m bench.e2e [--quick] [--json]``
 
-Everything runs in one throw-away network namespace (``tests.netns``; needs root), so no
+Everything runs in one throw-away network namespace (``tests.support.netns``; needs root), so no
 multicast reaches a real NIC:
 
 * a **Modbus load** process: a pymodbus TCP server on ``127.0.0.1:<free port>`` serving the
@@ -99,7 +99,7 @@ SLOTS: tuple[tuple[str, str], ...] = (
     ("aux", "AUX_HEARTBEAT"),
 )
 BUS_DBC = {"drive": DRIVE_DBC, "aux": EXTRA_DBC}
-#: Last octet of each bus's multicast group (tests.netns.GROUP_PREFIX + this).
+#: Last octet of each bus's multicast group (tests.support.netns.GROUP_PREFIX + this).
 GROUP_OCTET = {"drive": 81, "aux": 82}
 SEED = 1
 #: Plant time at start: seed 1 runs the motor from 1158 s to 1669 s, longer than any run.
@@ -680,7 +680,7 @@ def _get(node: Any, *path: str) -> Any:
 def udp_drops(ns: str, ports: set[int]) -> int | None:
     """Datagrams the kernel dropped on full receive buffers, over the UDP sockets bound to
     ``ports`` in namespace ``ns`` (``/proc/net/udp``'s last column); None if unreadable."""
-    from tests.netns import in_netns  # noqa: PLC0415
+    from tests.support.netns import in_netns  # noqa: PLC0415
 
     done = subprocess.run(
         in_netns(ns, ["cat", "/proc/net/udp"]), capture_output=True, text=True, check=False
@@ -734,7 +734,7 @@ class Bench:
     load: ModbusLoad
 
     def __init__(self, ns: str, tmp: Path) -> None:
-        from tests.netns import GROUP_PREFIX  # noqa: PLC0415
+        from tests.support.netns import GROUP_PREFIX  # noqa: PLC0415
 
         self.ns = ns
         self.tmp = tmp
@@ -754,7 +754,7 @@ class Bench:
 
     def __enter__(self) -> "Bench":
         try:
-            proc = self._spawn(
+            proc = self.spawn_device(
                 [*self.me, "--role", "modbus", "--start-at", repr(PLANT_START_S)],
                 "load",
                 stdin=subprocess.PIPE,
@@ -770,9 +770,9 @@ class Bench:
     def __exit__(self, *exc_info: object) -> None:
         self._stack.close()
 
-    def _spawn(self, argv: list[str], log: str, **kwargs: Any) -> "subprocess.Popen[str]":
+    def spawn_device(self, argv: list[str], log: str, **kwargs: Any) -> "subprocess.Popen[str]":
         """Start ``argv`` in the namespace, stderr to ``<tmp>/<log>.log``; reaped on exit."""
-        from tests.netns import in_netns  # noqa: PLC0415
+        from tests.support.netns import in_netns  # noqa: PLC0415
 
         kwargs.setdefault("env", self.env)
         err = self._stack.enter_context(open(self.tmp / f"{log}.log", "a"))  # noqa: SIM115
@@ -784,7 +784,7 @@ class Bench:
 
     def send_can(self, seconds: float) -> SenderRun:
         """Start the CAN sender; returns once it sends (``started``)."""
-        proc = self._spawn(
+        proc = self.spawn_device(
             [
                 *self.me,
                 "--role",
@@ -847,7 +847,7 @@ class Bench:
         argv += ["--duration", f"{duration:g}", "--status-json"]
         with open(out_path, "w") as out:
             spawned = time.monotonic()
-            agent = self._spawn(argv, "agent", env=env, stdin=subprocess.DEVNULL, stdout=out)
+            agent = self.spawn_device(argv, "agent", env=env, stdin=subprocess.DEVNULL, stdout=out)
 
         def alive() -> bool:
             return agent.poll() is None
@@ -891,7 +891,7 @@ class Bench:
         import psutil  # noqa: PLC0415
 
         argv = [*self.me, "--role", "bare", *self.bus_args, "--modbus-port", str(self.load.port)]
-        proc = self._spawn(argv, "bare", stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        proc = self.spawn_device(argv, "bare", stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert proc.stdout is not None
         if proc.stdout.readline().strip() != "READY":
             raise RuntimeError("bare baseline did not start:\n" + _tail(self.tmp / "bare.log"))
@@ -1051,7 +1051,7 @@ def report(fig: Mapping[str, Any], say: Callable[..., None]) -> None:
 
 
 def orchestrate(quick: bool, as_json: bool) -> int:
-    from tests.netns import netns, netns_problem  # noqa: PLC0415
+    from tests.support.netns import netns, netns_problem  # noqa: PLC0415
 
     problem = netns_problem()
     if problem is not None:
@@ -1106,7 +1106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "modbus":
         asyncio.run(serve_modbus(args.start_at))
         return 0
-    from tests.netns import assert_isolated  # noqa: PLC0415
+    from tests.support.netns import assert_isolated  # noqa: PLC0415
 
     assert_isolated()  # the sender and the bare baseline use multicast
     buses = dict(args.bus)

@@ -2,7 +2,7 @@
 
 ``python -m bench.fleet_devices [--quick] [--json] [--devices N] [--seconds S]``
 
-A real Mosquitto (``tests.mqtt_broker``) on loopback and the fleet ingest service as it is
+A real Mosquitto (``tests.support.mosquitto``) on loopback and the fleet ingest service as it is
 deployed (``fleet serve --workers 1`` into a fresh SQLite file, in a subprocess so its CPU
 can be measured). The bench process simulates N devices: N paho clients (MQTT 5,
 ``clean_start``), each with its own TCP connection, client id, ``boot_id`` and gap-free
@@ -54,7 +54,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 from fleet.store import Store, open_store
-from tests.mqtt_broker import Mosquitto
+from tests.support.mosquitto import Mosquitto
 from wire import SignalStats, TelemetryMsg, encode, topic
 
 SITE = "bench"

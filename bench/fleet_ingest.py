@@ -2,7 +2,7 @@
 
 ``python -m bench.fleet_ingest [--quick] [--json]``
 
-A real Mosquitto (``tests.mqtt_broker``) on loopback. For each consumer, a publisher process
+A real Mosquitto (``tests.support.mosquitto``) on loopback. For each consumer, a publisher process
 floods N valid telemetry messages (QoS 1, 100 device ids, seq gap-free per device) while
 the consumer is OFFLINE with a persistent session in the shared group, so the broker queues
 them; then the consumer connects and the clock runs from its first message until it has the
@@ -59,8 +59,8 @@ from paho.mqtt.properties import Properties
 from fleet.ingest import IngestConfig, IngestStats, IngestWorker, serve
 from fleet.ingest.sessions import session_id
 from fleet.store import open_store
-from tests.mqtt_broker import Mosquitto, mosquitto
-from tests.pg import private_schema
+from tests.support.mosquitto import Mosquitto, mosquitto
+from tests.support.pg import private_schema
 from wire import SignalStats, TelemetryMsg, encode, topic
 from wire.topics import shared_subscription
 

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -38,25 +36,8 @@ from edge_agent.perception import Window
 from edge_agent.reasoning import DropOldestQueue, ReasoningStage
 from edge_agent.rules import Decision, RuleSet
 from edge_agent.simwindows import plant_windows
-from models import DEFAULT_MODEL_DIR, LoadedModel, load_model
-
-
-def copy_with_new_sha(dst: Path, tag: str, src: Path = DEFAULT_MODEL_DIR) -> Path:
-    """Copy model directory ``src`` to ``dst`` with ``tag`` appended to the model file.
-
-    The interpreter ignores bytes after the flatbuffer, so the copy scores exactly like the
-    original but has its own sha256 (the manifest is updated to match, version 1.0.1).
-    """
-    shutil.copytree(src, dst)
-    manifest = json.loads((dst / "manifest.json").read_text())
-    blob = dst / manifest["file"]
-    data = blob.read_bytes() + tag.encode().ljust(16, b"\0")
-    blob.write_bytes(data)
-    manifest["sha256"] = hashlib.sha256(data).hexdigest()
-    manifest["size_bytes"] = len(data)
-    manifest["version"] = "1.0.1"
-    (dst / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    return dst
+from models import LoadedModel, load_model
+from models.copies import copy_with_new_sha
 
 
 async def stream(

@@ -36,7 +36,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -46,17 +45,18 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from bench.hot_swap import copy_with_new_sha
 from bench.ota_fetch import measure
 from drivers.sim.server import PlantSimulator
 from edge_agent.config import parse_config
 from edge_agent.rules import Decision
 from edge_agent.service import Agent
+from models.copies import copy_with_new_sha
 from ota import build, keys
 from ota.machine import Journal
 from ota.store import ContentStore
 from ota.trust import load_root
 from ota.verify import Policy, verify_bundle
+from tests.support.ports import free_port
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 DEVICE = "motor-drive-gw"
@@ -138,13 +138,6 @@ def verify_cost(k: Keys, size: int, runs: int) -> dict[str, float]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 async def _until(pred: Callable[[], bool], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -155,7 +148,7 @@ async def _until(pred: Callable[[], bool], timeout: float = 60.0) -> None:
 
 async def agent_run(k: Keys, swaps: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-ota-agent-"))
-    port, channel = _free_port(), f"bench-ota-{uuid.uuid4().hex[:8]}"
+    port, channel = free_port(), f"bench-ota-{uuid.uuid4().hex[:8]}"
     (tmp / "root.json").write_bytes(k.root_json())
     text = (EXAMPLES / "agent.toml").read_text()
     text = text.replace('state_dir = "../var/demo-gw-01"', f'state_dir = "{tmp / "state"}"')

@@ -37,8 +37,9 @@ from fleet.rollout import machine as m
 from fleet.rollout.orchestrator import create_rollout, load
 from fleet.rollout.plan import parse_selector
 from fleet.store import open_store
-from tests.mqtt_broker import free_port, mosquitto
-from tests.ota_support import Signer, model_members
+from tests.support.mosquitto import mosquitto
+from tests.support.ota import Signer, model_members
+from tests.support.ports import free_port
 
 SITE = "bench"
 

@@ -1,6 +1,6 @@
 """Uplink replay after a broker outage: how fast the backlog drains while live traffic goes on.
 
-A real Mosquitto (``tests.mqtt_broker``) on loopback and a persistent-session QoS 1
+A real Mosquitto (``tests.support.mosquitto``) on loopback and a persistent-session QoS 1
 subscriber standing in for the fleet. The device (an in-process :class:`Uplink` with the
 config defaults: ``replay_rate_per_s`` 200, ``max_inflight`` 32) produces 100 decisions/s
 (~1 KB each, realistic ones). The broker is stopped (SIGTERM) for the outage (60 s; 10 s with
@@ -45,8 +45,8 @@ from paho.mqtt.properties import Properties
 from bench import uplink_delta
 from edge_agent.uplink.config import UplinkSection
 from edge_agent.uplink.publisher import Uplink
-from tests.mqtt_broker import Mosquitto
-from tests.uplink_device_proc import MODEL_SHA, make_decision
+from tests.support.mosquitto import Mosquitto
+from tests.support.uplink_device_proc import MODEL_SHA, make_decision
 from wire.messages import encode, kind_of
 
 SITE, DEVICE = "plant1", "bench-1"

@@ -44,10 +44,10 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.hot_swap import copy_with_new_sha  # noqa: E402 - after the path set-up
 from edge_agent.console import make_console  # noqa: E402
 from fleet.rollout.orchestrator import load  # noqa: E402
 from fleet.store import open_store  # noqa: E402
+from models.copies import copy_with_new_sha  # noqa: E402 - after the path set-up
 
 BIN = Path(sys.executable).parent
 VAR = REPO / "var" / "demo-fleet"

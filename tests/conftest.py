@@ -10,6 +10,12 @@ from collections.abc import Generator
 
 import pytest
 
+# Fixtures shared across test modules (defined with what they need in tests/support).
+from tests.support.firmware import real_wheel, tiny_fs
+from tests.support.stores import backend
+
+__all__ = ["backend", "real_wheel", "tiny_fs"]
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(

@@ -11,15 +11,11 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,62 +30,12 @@ from edge_agent.config import AgentConfig, parse_config
 from edge_agent.sdnotify import Notifier
 from edge_agent.service import Agent
 from models import LoadedModel, ModelManifest
-from tests.test_service import example_text, free_port
+from tests.support.agent import Datagrams, example_text, notify_socket
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.peers
 
 ROOT = Path(__file__).parents[1]
-
-
-class Datagrams:
-    """A real ``NOTIFY_SOCKET``: collects (monotonic time, message) from a thread."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.sock.settimeout(0.1)
-        self.messages: list[tuple[float, str]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._recv, daemon=True)
-        self._thread.start()
-
-    def _recv(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data = self.sock.recv(4096)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.messages.append((time.monotonic(), data.decode()))
-
-    def wait_for(self, line: str, timeout: float) -> float:
-        """Monotonic time of the first datagram holding ``line``; fails after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for t, msg in list(self.messages):
-                if line in msg.splitlines():
-                    return t
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.01)
-        raise AssertionError(f"no {line!r} within {timeout} s; got {self.messages}")
-
-    def times_of(self, line: str, since: float = 0.0, until: float = float("inf")) -> list[float]:
-        return [t for t, m in list(self.messages) if line in m.splitlines() and since <= t < until]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sock.close()
-
-
-@contextmanager
-def notify_socket(tmp_path: Path) -> Iterator[Datagrams]:
-    d = Datagrams(tmp_path / "notify.sock")
-    try:
-        yield d
-    finally:
-        d.close()
 
 
 def write_config(tmp_path: Path, port: int, channel: str, extra: str = "") -> Path:

@@ -32,8 +32,10 @@ from edge_agent.reasoning import ReasoningStage
 from edge_agent.rules import RuleSet
 from edge_agent.simwindows import T0_NS, plant_windows
 from models import LoadedModel, load_model
-from tests.memory_support import config
-from tests.test_probe import MALFORMED, SPEC, body, good
+from tests.support.memory import config
+from tests.support.probe import MALFORMED, SPEC, body, good
+
+pytestmark = pytest.mark.peers
 
 MS = 1_000_000
 

@@ -9,8 +9,10 @@ from collections.abc import Iterator
 import can
 import pytest
 
-from tests.can_support import REPO, load_db, reference_decode, require_subaru
-from tests.netns import GROUP_PREFIX, in_netns, netns, netns_problem
+from tests.support.can import REPO, load_db, reference_decode, require_subaru
+from tests.support.netns import GROUP_PREFIX, in_netns, netns, netns_problem
+
+pytestmark = pytest.mark.peers
 
 COUNT = 600  # frames: ~0.65 s of the capture, 8 known and 27 unknown ids among them
 RATE = 2000.0  # frames/s, paced: cold-start blasting loses ~1.6 % on lo
@@ -26,7 +28,7 @@ def namespace() -> Iterator[str]:
 
 
 def python(ns: str, *args: str) -> list[str]:
-    return in_netns(ns, [sys.executable, "-m", "tests.can_peer", *args])
+    return in_netns(ns, [sys.executable, "-m", "tests.support.can_peer", *args])
 
 
 def test_samples_cross_process_boundary_with_arrival_stamps(namespace: str) -> None:

@@ -17,7 +17,7 @@ from cantools.database.can import Database as CanDatabase
 from drivers.can.dbc import MAX_TRACKED_UNKNOWN_IDS, FrameDecoder, load_dbc
 from drivers.errors import DriverConfigError
 from drivers.sample import Sample
-from tests.can_support import (
+from tests.support.can import (
     SUBARU_DBC,
     SUBARU_DIR,
     SUBARU_FRAMES,
@@ -29,6 +29,8 @@ from tests.can_support import (
     reference_decode,
     require_subaru,
 )
+
+pytestmark = pytest.mark.peers
 
 EXT_ID = 0x18FF0103
 

@@ -16,7 +16,9 @@ from drivers.can.reader import CanSource
 from drivers.errors import CanError, DriverConfigError
 from drivers.sample import Sample
 from drivers.specs import CanSpec
-from tests.can_support import SYNTHETIC_DBC, wait_until
+from tests.support.can import SYNTHETIC_DBC, wait_until
+
+pytestmark = pytest.mark.peers
 
 EXT_ID = 0x18FF0103
 ENGINE = bytes([0x71, 0x17, 0x1C, 0x73, 0xF3, 0x00, 0x00, 0x00])  # RPM 1500.25, TEMP -12 ...

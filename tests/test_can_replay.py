@@ -19,7 +19,7 @@ from drivers.source import open_source
 from drivers.specs import CanSpec, ReplaySpec
 from edge_agent.config import load_config
 from edge_agent.errors import ConfigError
-from tests.can_support import (
+from tests.support.can import (
     REPO,
     SUBARU_DURATION_S,
     SUBARU_FRAMES,
@@ -31,6 +31,8 @@ from tests.can_support import (
     require_subaru,
     wait_until,
 )
+
+pytestmark = pytest.mark.peers
 
 
 def expected_samples(log_path: Path, dbc_path: Path) -> list[tuple[str, float, float]]:

@@ -13,6 +13,8 @@ from edge_agent.service import build_stage
 from models import LoadedModel
 from models.kernels import JIT_ENV
 
+pytestmark = pytest.mark.peers
+
 DATA = Path(__file__).parent / "data"
 
 GOOD = """

@@ -7,11 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from rich.table import Table
 
 from ota.journal import save
 from ota.machine import Journal, Outcome
-from tests.mqtt_broker import mosquitto
+from tests.support.mosquitto import mosquitto
+
+pytestmark = pytest.mark.peers
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

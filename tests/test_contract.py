@@ -33,11 +33,13 @@ from models.contract import check_contract
 from models.dataset import FIELD_BUSES, SIGNALS
 from models.input_stats import InputStats, SignalInputStats
 from ota.errors import ActivationError
-from tests.ota_support import Signer, model_members
-from tests.test_ota_agent import ota_config
-from tests.test_ota_agent_parts import _installed
-from tests.test_service import example_config, free_port
+from tests.support.agent import example_config
+from tests.support.ota import Signer, model_members
+from tests.support.ota_agent import installed_of, ota_config
+from tests.support.ports import free_port
 from wire.messages import DecisionMsg, decode, encode
+
+pytestmark = pytest.mark.peers
 
 ROOT = Path(__file__).parents[1]
 EXAMPLES = ROOT / "examples"
@@ -351,7 +353,7 @@ def test_an_ota_model_whose_contract_the_device_cannot_meet_is_refused_before_st
     assert agent.ota.status()["last"]["reason"] == outcome.reason
     # The same model with its committed manifest passes the check and is staged.
     good = signer.bundle(tmp_path / "g.efb", members, version="1.2.0", counter=3)
-    inst = _installed(agent, good)
+    inst = installed_of(agent, good)
     assert inst.payloads[tflite_name] == tflite_sha
     assert store.has(tflite_sha)
 

@@ -37,7 +37,10 @@ from edge_agent.rules import Decision, RuleSet
 from edge_agent.service import Agent
 from edge_agent.simwindows import T0_NS, plant_windows
 from models import LoadedModel, load_model
-from tests.test_service import example_config, free_port
+from tests.support.agent import example_config
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.peers
 
 SPIKE = parse_anomaly("spike:current@20+8x8")
 

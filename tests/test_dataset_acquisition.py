@@ -22,6 +22,8 @@ from edge_agent.simwindows import T0_NS, plant_windows
 from models import dataset
 from models.dataset import FIELD_BUSES, IDEAL, SIGNALS, WINDOW
 
+pytestmark = pytest.mark.peers
+
 ROOT = Path(__file__).resolve().parents[1]
 STEP_NS = 10_000_000
 

@@ -16,18 +16,17 @@ import pytest
 
 from firmware.boot import BootDecision, decide_boot, parse_slot_env, slot_env
 from firmware.slots import Event, SlotInfo, SlotName, Slots, SlotState
-from tests.test_firmware_slots import (
+from tests.support.firmware import (
     BASE_VERSION,
     crashing_cli,
     expect_slot,
     install,
     launch,
     ran,
-    real_wheel,
     variant,
 )
 
-__all__ = ["real_wheel"]  # the session fixture, shared with the slot tests
+pytestmark = pytest.mark.peers
 
 SHA = "ab" * 32
 NOW = 1_760_000_000.0

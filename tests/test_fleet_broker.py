@@ -2,7 +2,7 @@
 
 Mosquitto runs exactly the generated config (plus ``log_type subscribe``, so a test can see
 when the ingest has subscribed); devices are the agent's real uplink in processes of their
-own (``tests/uplink_device_proc.py``: outbox, QoS 1, mutual TLS), and the ingest is
+own (``tests/support/uplink_device_proc.py``: outbox, QoS 1, mutual TLS), and the ingest is
 ``fleet serve`` as a process. What is measured here is what ``fleet.broker_sizing`` and
 ``fleet.broker_reload`` state about Mosquitto 2.0.11.
 """
@@ -30,8 +30,11 @@ from fleet.broker_config import write_broker_config
 from fleet.broker_sizing import Sizing
 from fleet.pki_cli import pki_app
 from fleet.store import Store, open_store
-from tests.mqtt_broker import Mosquitto, free_port
-from tests.test_fleet_pki import ACCEPTED, NOT_AUTHORIZED, Peer, _me
+from tests.support.mosquitto import Mosquitto
+from tests.support.mqtt_peer import ACCEPTED, NOT_AUTHORIZED, Peer, login_name
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.peers
 
 REPO = Path(__file__).resolve().parents[1]
 SITE = "plant1"
@@ -96,7 +99,7 @@ def site(tmp_path: Path) -> Iterator[Site]:
         plain_port=free_port(),
         hosts=["127.0.0.1"],
         log_file=workdir / "mosquitto.log",
-        run_as=_me(),
+        run_as=login_name(),
         # 1 device x 400 msg/min x 10 min = 4,000 messages (of up to 1,000 B: the test
         # device's decisions are ~800 B) a session may queue; an autosave every second.
         sizing=Sizing(devices=1, msgs_per_min=400, outage_min=10, msg_bytes=1000, autosave_s=1),
@@ -119,7 +122,7 @@ class Device:
         args += ["--count", str(count), "--rate", str(rate), "--replay-rate", "2000"]
         args += ["--site", SITE, "--ca", ca, "--cert", cert, "--key", key]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.uplink_device_proc", *args],
+            [sys.executable, "-m", "tests.support.uplink_device_proc", *args],
             cwd=REPO,
             env=ENV,
             stdout=subprocess.PIPE,

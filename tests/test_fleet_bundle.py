@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner, Result
 
-from bench.hot_swap import copy_with_new_sha
 from fleet import bundles, keys
 from fleet.cli import app
+from models.copies import copy_with_new_sha
 from ota import build, trust
 from ota import keys as ota_keys
 from ota.efb import BundleReader, write_bundle

@@ -22,8 +22,10 @@ from typer.testing import CliRunner
 from fleet.cli import app, parse_since
 from fleet.cli_common import store_url
 from fleet.store import Quarantined, Row, open_store
-from tests.test_fleet_ingest import REPO, SITE, boot_id, decision, sqlite_url, state, telemetry
+from tests.support.fleet import REPO, SITE, boot_id, decision, sqlite_url, state, telemetry
 from wire import ModelHealth, encode
+
+pytestmark = pytest.mark.peers
 
 NOW = time.time_ns()
 MIN = 60 * 10**9

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
-from bench.hot_swap import copy_with_new_sha
 from fleet import keys
 from fleet.cli import app
 from fleet.errors import FleetKeyError
+from models.copies import copy_with_new_sha
 from ota import build, trust
 from ota import keys as ota_keys
 from ota.errors import SignatureInvalid

@@ -44,10 +44,7 @@ from fleet.ingest.sessions import (
     retire,
 )
 from fleet.store import IngestSession
-from tests.mqtt_broker import Mosquitto, free_port, mosquitto
-from tests.pg import pg_schema_url
-from tests.tcp_proxy import TcpProxy, target_of, via
-from tests.test_fleet_ingest import (
+from tests.support.fleet import (
     REPO,
     Publisher,
     boot_id,
@@ -58,6 +55,12 @@ from tests.test_fleet_ingest import (
     telemetry,
     wait_until,
 )
+from tests.support.mosquitto import Mosquitto, mosquitto
+from tests.support.pg import pg_schema_url
+from tests.support.ports import free_port
+from tests.support.tcp_proxy import TcpProxy, target_of, via
+
+pytestmark = pytest.mark.peers
 
 
 class Serve:
@@ -415,13 +418,14 @@ def test_retire_refuses_a_node_seen_lately_unless_forced() -> None:
 
 
 class Device:
-    """``tests/uplink_device_proc.py``: the real agent uplink (outbox, QoS 1, births with
+    """``tests/support/uplink_device_proc.py``: the real agent uplink (outbox, QoS 1, births with
     the seq watermark) producing ``count`` decisions at ``rate`` per second."""
 
     def __init__(self, tmp: Path, port: int, count: int, rate: float, name: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.uplink_device_proc", "--state-dir", str(tmp / name),
-             "--port", str(port), "--count", str(count), "--rate", str(rate), "--device", name],
+            [sys.executable, "-m", "tests.support.uplink_device_proc",
+             "--state-dir", str(tmp / name), "--port", str(port), "--count", str(count),
+             "--rate", str(rate), "--device", name],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
             text=True,
         )  # fmt: skip

@@ -8,18 +8,15 @@ skip, which CI (where it is always set) turns into failures: the store is proven
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import sqlite3
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import msgspec
-import psycopg
 import pytest
 
 from fleet.errors import FleetStoreError, SchemaTooNew, StoreRefused
@@ -36,8 +33,9 @@ from fleet.store import (
 )
 from fleet.store.migrations import LATEST, MIGRATIONS, pending
 from fleet.store.sqlite import SqliteStore
-from tests.pg import pg_schema_url, pg_url, private_schema
-from tests.tcp_proxy import TcpProxy, target_of, via
+from tests.support.pg import pg_schema_url
+from tests.support.stores import Backend
+from tests.support.tcp_proxy import TcpProxy, target_of, via
 from wire.messages import (
     DecisionMsg,
     ModelHealth,
@@ -50,50 +48,12 @@ from wire.messages import (
     encode,
 )
 
+pytestmark = pytest.mark.peers
+
 BOOT_A = "a" * 32
 BOOT_B = "b" * 32
 T0 = 1_760_000_000_000_000_000
 SEC = 1_000_000_000
-PG_HELP = (
-    "the PostgreSQL store tests need a server: export "
-    "EDGEFLEET_TEST_PG_URL=postgresql://postgres@127.0.0.1:5432/test "
-    "(CI sets it; each test creates and drops its own schema there)"
-)
-
-
-@dataclass
-class Backend:
-    name: str
-    url: str
-    app: str = ""  # PostgreSQL application_name of this test's connections
-
-    def sql(self, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        """Run one statement outside the store (to set up what the store must cope with)."""
-        if self.name == "sqlite":
-            with sqlite3.connect(self.url.removeprefix("sqlite://")) as db:
-                return db.execute(statement.replace("%s", "?"), params).fetchall()
-        with psycopg.connect(self.url, autocommit=True) as pg:
-            cur = pg.execute(statement.encode(), params)
-            return cur.fetchall() if cur.description else []
-
-    def open(self) -> Store:
-        store = open_store(self.url)
-        store.migrate()
-        return store
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
-    if request.param == "sqlite":
-        yield Backend("sqlite", f"sqlite://{tmp_path / 'fleet.db'}")
-        return
-    with contextlib.ExitStack() as stack:
-        try:
-            url = stack.enter_context(private_schema(pg_url()))
-        except psycopg.Error as exc:
-            pytest.fail(f"cannot reach EDGEFLEET_TEST_PG_URL ({exc}); {PG_HELP}")
-        # private_schema names the sessions after their schema (application_name).
-        yield Backend("postgresql", url, app=url.rsplit("application_name=", 1)[1])
 
 
 @pytest.fixture

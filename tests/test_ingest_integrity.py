@@ -28,9 +28,7 @@ from fleet.cli import app
 from fleet.ingest import IngestConfig, IngestStats, serve
 from fleet.ingest.gapwatch import GapWatch, gap_lines
 from fleet.store import Gap, Store
-from tests.mqtt_broker import Mosquitto, mosquitto
-from tests.pg import pg_schema_url
-from tests.test_fleet_ingest import (
+from tests.support.fleet import (
     REPO,
     SITE,
     Publisher,
@@ -45,8 +43,12 @@ from tests.test_fleet_ingest import (
     telemetry,
     wait_until,
 )
-from tests.test_uplink_mqtt import _kill9, _spawn, _wait_line
+from tests.support.mosquitto import Mosquitto, mosquitto
+from tests.support.pg import pg_schema_url
+from tests.support.uplink import kill9, spawn_device, wait_line
 from wire import encode, topic
+
+pytestmark = pytest.mark.peers
 
 
 @pytest.fixture
@@ -336,26 +338,26 @@ def test_fleet_gaps_reports_the_tail_of_a_killed_boot_the_broker_dropped(
     with mosquitto(tmp_path / "broker", extra="max_queued_messages 10\n") as broker:
         with make_worker(broker, store_url, cid) as first:
             assert first.wait_ready(10)
-        killed = _spawn(state_dir, broker.port, 40, device=device, after_connect=True)
+        killed = spawn_device(state_dir, broker.port, 40, device=device, after_connect=True)
         try:
-            old = _wait_line(killed, lambda o: o["event"] == "produced")["boot_id"]
-            _wait_line(killed, lambda o: o["event"] == "stats" and o["acked"] == 40)
+            old = wait_line(killed, lambda o: o["event"] == "produced")["boot_id"]
+            wait_line(killed, lambda o: o["event"] == "stats" and o["acked"] == 40)
         finally:
-            _kill9(killed)
+            kill9(killed)
         with make_worker(broker, store_url, cid) as worker:
             wait_until(lambda: worker.stats.stored + worker.stats.states >= 10, 30, "the 10")
             kept = stored_seqs(store, device)
             assert kept == list(range(len(kept)))
             assert len(kept) < 40
             assert store.gaps(device) == [], "nothing tells the fleet the boot went on"
-            restarted = _spawn(state_dir, broker.port, 0, device=device)
+            restarted = spawn_device(state_dir, broker.port, 0, device=device)
             try:
-                _wait_line(restarted, lambda o: o["event"] == "stats" and o.get("epitaphs") == 1)
+                wait_line(restarted, lambda o: o["event"] == "stats" and o.get("epitaphs") == 1)
                 wait_until(lambda: bool(store.gaps(device)), 30, "the epitaph stored")
                 restarted.send_signal(signal.SIGTERM)
-                _wait_line(restarted, lambda o: o["event"] == "stopped")
+                wait_line(restarted, lambda o: o["event"] == "stopped")
             finally:
-                _kill9(restarted)
+                kill9(restarted)
     done = CliRunner().invoke(app, ["gaps", "--store", store_url, "--device", device, "--json"])
     assert done.exit_code == 0, done.output
     assert json.loads(done.stdout) == [

@@ -11,7 +11,7 @@ import pytest
 
 from edge_agent.memory.aging import Aging, AgingPolicy
 from edge_agent.memory.store import MemoryStore, connect
-from tests.memory_support import POINTS, T0, S, run, same, stage, window
+from tests.support.memory import POINTS, T0, S, run, same, stage, window
 
 SIG = ("a", "b", "c", "d")
 PERIOD_1S = S  # 1 s grid: 64 s windows, hours of data in a few hundred windows

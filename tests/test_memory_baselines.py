@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from edge_agent.memory.baselines import Baselines
-from tests.memory_support import PERIOD, POINTS, T0, S, feed, run, stage
+from tests.support.memory import PERIOD, POINTS, T0, S, feed, run, stage
 
 HOUR = 3600.0
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from edge_agent.memory import MemorySection
 from edge_agent.memory.cli import memory_app, parse_time
-from tests.memory_support import PERIOD, POINTS, feed, random_walk, run, stage
+from tests.support.memory import PERIOD, POINTS, feed, random_walk, run, stage
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 SIG = ("voltage", "current")

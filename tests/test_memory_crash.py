@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from edge_agent.memory.snapshots import check_database, list_snapshots
-from tests.memory_support import POINTS, T0, count, feed, random_walk, run, stage
+from tests.support.memory import POINTS, T0, count, feed, random_walk, run, stage
+
+pytestmark = pytest.mark.peers
 
 ROOT = Path(__file__).parents[1]
 SIG = ("a", "b")
@@ -24,7 +26,7 @@ def kill_while_writing(state: Path, start_ns: int, min_rows: int) -> tuple[int, 
     """Run the writer process until it reports ``min_rows`` committed, then SIGKILL it.
     Returns (last committed rows it reported, last enqueued rows it reported)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.memory_writer_proc", str(state), str(start_ns)],
+        [sys.executable, "-m", "tests.support.memory_writer_proc", str(state), str(start_ns)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from edge_agent.memory.delta import DeltaEncoder, Row, reconstruct, series
-from tests.memory_support import (
+from tests.support.memory import (
     PERIOD,
     POINTS,
     T0,

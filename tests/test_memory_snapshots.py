@@ -19,7 +19,7 @@ from edge_agent.memory.snapshots import (
     take_snapshot,
     verify_snapshot,
 )
-from tests.memory_support import (
+from tests.support.memory import (
     POINTS,
     T0,
     S,

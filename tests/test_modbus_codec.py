@@ -19,7 +19,9 @@ from drivers.specs import (
     RegisterType,
     WordOrder,
 )
-from tests.modbus_peer import Collector, device, running_peer, running_source, wait_until
+from tests.support.modbus_peer import Collector, device, running_peer, running_source, wait_until
+
+pytestmark = pytest.mark.peers
 
 # uint32 0x11223344 as registers, per order (see the table in codec's docstring).
 U32_WIRE = {

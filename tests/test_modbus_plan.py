@@ -10,7 +10,9 @@ from drivers.errors import DriverConfigError
 from drivers.modbus.plan import BlockEntry, ReadBlock, coalesce, plan_blocks, split_block
 from drivers.modbus.poller import ModbusSource
 from drivers.specs import ModbusSpec, RegisterSpec
-from tests.modbus_peer import Collector, device, running_peer, running_source, wait_until
+from tests.support.modbus_peer import Collector, device, running_peer, running_source, wait_until
+
+pytestmark = pytest.mark.peers
 
 
 def _regs(*addresses: int, **kw: object) -> list[RegisterSpec]:

@@ -24,7 +24,7 @@ from drivers.modbus.client import ModbusClient
 from drivers.modbus.poller import ModbusSource
 from drivers.source import Source, open_source
 from drivers.specs import ModbusSpec, RegisterSpec
-from tests.modbus_peer import (
+from tests.support.modbus_peer import (
     Collector,
     device,
     running_peer,
@@ -34,6 +34,8 @@ from tests.modbus_peer import (
     start_serial_peer,
     wait_until,
 )
+
+pytestmark = pytest.mark.peers
 
 FAST = {"timeout_ms": 100, "backoff_min_ms": 1000, "backoff_max_ms": 4000}
 

@@ -26,6 +26,8 @@ from models.errors import BackendUnavailable
 from models.kernels import JIT_ENV, features_int8, kernels
 from models.runtime import ColumnMedian, LoadedModel
 
+pytestmark = pytest.mark.peers
+
 
 @pytest.fixture(scope="module")
 def jitted() -> LoadedModel:

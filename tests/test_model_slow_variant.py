@@ -25,6 +25,8 @@ from edge_agent.service import build_stage
 from edge_agent.simwindows import plant_windows
 from models import DEFAULT_MODEL_DIR, LoadedModel, load_model
 
+pytestmark = pytest.mark.peers
+
 SLOW_DIR = DEFAULT_MODEL_DIR.parent / "motor_drive_slow"
 EXAMPLE_CONFIG = Path(__file__).parents[1] / "examples" / "agent.toml"
 #: Normal running from plant seeds the training pipeline never uses (it uses 1-600 and

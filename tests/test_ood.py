@@ -40,9 +40,12 @@ from fleet.store import open_store
 from models import LoadedModel, load_model
 from models.acquisition import Acquisition, SignalAcquisition
 from models.dataset import SIGNALS
-from tests.mqtt_broker import mosquitto
-from tests.test_service import EXAMPLES, example_config, example_text, free_port
+from tests.support.agent import EXAMPLES, example_config, example_text
+from tests.support.mosquitto import mosquitto
+from tests.support.ports import free_port
 from wire.messages import DecisionMsg, StateMsg, decode, encode
+
+pytestmark = pytest.mark.peers
 
 #: The agent's window period at 100 Hz / 64 steps, ns.
 HOP_NS = 640_000_000

@@ -12,9 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,38 +20,18 @@ import aiohttp
 import pytest
 from typer.testing import CliRunner
 
-from drivers.sim.server import PlantSimulator
 from edge_agent.cli import app
-from edge_agent.config import AgentConfig, load_config, parse_config
+from edge_agent.config import load_config, parse_config
 from edge_agent.rules import Decision
 from edge_agent.service import Agent
 from models import load_model
 from ota.journal import load as load_journal
-from tests.ota_support import Signer, model_members
-from tests.test_service import EXAMPLES, example_text, free_port
+from tests.support.agent import EXAMPLES, example_text
+from tests.support.ota import Signer, model_members
+from tests.support.ota_agent import ota_config, run_agent, until, with_root
+from tests.support.ports import free_port
 
-
-def with_root(text: str, root: Path, extra: str = "") -> str:
-    """The example's ``[ota]`` section with a trust root (and ``extra`` lines)."""
-    head = "[ota]\nenabled = true\n"
-    assert head in text
-    return text.replace(head, f'{head}trust_root = "{root}"\n{extra}', 1)
-
-
-def ota_config(
-    tmp: Path, signer: Signer | None, *, extra: str = ""
-) -> tuple[AgentConfig, int, str]:
-    """The example config with a trust root, written to a real file (as on a device)."""
-    port, channel = free_port(), f"ota-{uuid.uuid4().hex[:8]}"
-    text = example_text().replace("port = 15020", f"port = {port}")
-    text = text.replace('channel = "edgefleet-demo"', f'channel = "{channel}"')
-    text = text.replace('"../', f'"{EXAMPLES.parent}/')
-    if signer is not None:
-        root = signer.write_root(tmp / "root.json")
-        text = with_root(text, root, extra)
-    path = tmp / "agent.toml"
-    path.write_text(text)
-    return load_config(path), port, channel
+pytestmark = pytest.mark.peers
 
 
 async def post(
@@ -69,48 +47,6 @@ async def post(
         ) as r,
     ):
         return r.status, await r.json()
-
-
-async def until(pred: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
-
-
-def run_agent(
-    cfg: AgentConfig,
-    port: int,
-    channel: str,
-    scenario: Callable[[Agent], Awaitable[Any]],
-) -> tuple[Any, list[Decision], dict[str, Any]]:
-    decisions: list[Decision] = []
-
-    async def main() -> tuple[Any, dict[str, Any]]:
-        agent = Agent(cfg, on_decision=decisions.append)
-        stop = asyncio.Event()
-        result: list[Any] = []
-
-        async def drive() -> None:
-            try:
-                await until(lambda: agent._api is not None and len(decisions) >= 3)
-                result.append(await scenario(agent))
-                n = len(decisions)
-                await until(lambda: len(decisions) >= n + 3)
-            finally:
-                stop.set()
-
-        async with (
-            PlantSimulator(seed=3, modbus_port=port, can_channel=channel),
-            asyncio.TaskGroup() as tg,
-        ):
-            tg.create_task(drive())
-            await agent.run(stop)
-        return result[0] if result else None, agent.status()
-
-    result, status = asyncio.run(main())
-    return result, decisions, status
 
 
 def assert_no_window_missed(decisions: list[Decision]) -> None:
@@ -304,7 +240,7 @@ def _write_config(tmp: Path, signer: Signer) -> tuple[Path, int, str]:
 
 def _child(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tests.ota_agent_proc", *args],
+        [sys.executable, "-m", "tests.support.ota_agent_proc", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

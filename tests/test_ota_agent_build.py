@@ -18,10 +18,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from firmware.slots import Slots
-from tests.ota_support import Signer
-from tests.test_firmware_slots import crashing_cli, real_wheel, variant  # noqa: F401 - fixture
-from tests.test_service import EXAMPLES, example_text, free_port
+from tests.support.agent import EXAMPLES, example_text
+from tests.support.firmware import crashing_cli, variant
+from tests.support.ota import Signer
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.peers
 
 
 def _config(tmp: Path, signer: Signer) -> tuple[Path, int, Path]:
@@ -113,7 +118,7 @@ def _agent_bundle(signer: Signer, tmp: Path, wheel: Path, version: str, counter:
 
 def test_a_new_agent_build_installs_restarts_into_its_slot_and_commits(
     tmp_path: Path,
-    real_wheel: Path,  # noqa: F811 - the fixture
+    real_wheel: Path,
 ) -> None:
     signer = Signer()
     cfg, api, slots = _config(tmp_path, signer)
@@ -149,7 +154,7 @@ def test_a_new_agent_build_installs_restarts_into_its_slot_and_commits(
 
 def test_a_crash_looping_build_gives_way_after_max_boots_and_is_reported_rolled_back(
     tmp_path: Path,
-    real_wheel: Path,  # noqa: F811 - the fixture
+    real_wheel: Path,
 ) -> None:
     signer = Signer()
     cfg, api, slots = _config(tmp_path, signer)

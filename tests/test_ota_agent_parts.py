@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -18,35 +17,16 @@ from edge_agent.ota import _health_url
 from edge_agent.service import Agent
 from models import DEFAULT_MODEL_DIR
 from ota import build
-from ota.machine import Installed
-from ota.verify import verify_bundle
-from tests.ota_support import Signer, model_members
-from tests.test_ota_agent import ota_config, run_agent
+from tests.support.ota import Signer, model_members
+from tests.support.ota_agent import installed_of, ota_config, run_agent
+
+pytestmark = pytest.mark.peers
 
 
 def _with_thresholds(model_json: bytes, drift: float) -> bytes:
     doc = json.loads(model_json)
     doc["thresholds"]["drift"] = drift
     return json.dumps(doc, indent=1).encode()
-
-
-def _installed(agent: Agent, path: Path) -> Installed:
-    """Verify ``path`` into the agent's own store as its updater would."""
-    assert agent.ota is not None
-    up = agent.ota.updater
-    vb = verify_bundle(
-        path,
-        root=up.trust_root(),
-        policy=up.policy,
-        floors=up.journal.floors,
-        now=datetime.now(UTC),
-        store=up.store,
-        keep_source=True,
-    )
-    s = vb.signed
-    return Installed(
-        s.bundle_id, s.kind, s.version, s.counter, vb.manifest_sha256, dict(vb.payloads)
-    )
 
 
 def test_a_bundle_changing_only_model_json_serves_its_own_manifest(tmp_path: Path) -> None:
@@ -76,7 +56,7 @@ def test_a_bundle_changing_only_model_json_serves_its_own_manifest(tmp_path: Pat
         assert agent.ota is not None
         assert agent.stage is not None
         for b in (b1, b2):
-            inst = _installed(agent, b)
+            inst = installed_of(agent, b)
             assert await agent.ota.activate(inst, store)
             served.append(agent.stage.model.manifest.thresholds["drift"])
 
@@ -122,7 +102,7 @@ def test_a_rollback_brings_back_the_manifest_it_names_when_models_share_a_tflite
     async def main() -> None:
         assert agent.ota is not None
         assert agent.stage is not None
-        inst = [_installed(agent, b) for b in bundles]
+        inst = [installed_of(agent, b) for b in bundles]
         assert all(i.payloads[tflite_name] == factory.sha256 for i in inst)
         for i in inst:
             assert await agent.ota.activate(i, store)

@@ -10,7 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from edge_agent.cli import app
-from tests.test_service import EXAMPLES, example_text, free_port
+from tests.support.agent import EXAMPLES, example_text
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.peers
 
 runner = CliRunner()
 

@@ -20,9 +20,10 @@ from ota.errors import StorageError
 from ota.store import ContentStore
 from ota.trust import load_root
 from ota.verify import Policy, verify_bundle
-from tests.ota_support import DEVICE_TYPE, Signer, model_members
-from tests.test_firmware_slots import tiny_fs  # noqa: F401 - the fixture
-from tests.test_ota_agent import ota_config, run_agent
+from tests.support.ota import DEVICE_TYPE, Signer, model_members
+from tests.support.ota_agent import ota_config, run_agent
+
+pytestmark = pytest.mark.peers
 
 POLICY = Policy(DEVICE_TYPE, "0.1.0", frozenset({"model:swap"}))
 
@@ -37,7 +38,7 @@ def _files(root: Path) -> set[str]:
 
 def test_copying_a_bundle_onto_a_full_disk_aborts_and_leaves_no_trace(
     tmp_path: Path,
-    tiny_fs: Path,  # noqa: F811 - the fixture
+    tiny_fs: Path,
 ) -> None:
     signer = Signer()
     root = load_root(signer.root_json(), datetime.now(UTC))
@@ -59,7 +60,7 @@ def test_copying_a_bundle_onto_a_full_disk_aborts_and_leaves_no_trace(
 
 def test_a_delta_result_that_does_not_fit_aborts_and_keeps_the_base(
     tmp_path: Path,
-    tiny_fs: Path,  # noqa: F811 - the fixture
+    tiny_fs: Path,
 ) -> None:
     signer = Signer()
     root = load_root(signer.root_json(), datetime.now(UTC))
@@ -91,7 +92,7 @@ def test_a_delta_result_that_does_not_fit_aborts_and_keeps_the_base(
 
 def test_the_agent_reports_a_full_disk_and_keeps_serving(
     tmp_path: Path,
-    tiny_fs: Path,  # noqa: F811 - the fixture
+    tiny_fs: Path,
 ) -> None:
     signer = Signer()
     cfg, port, channel = ota_config(tmp_path, signer)

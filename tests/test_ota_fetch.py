@@ -35,7 +35,7 @@ from fleet.artifacts_cli import app as artifacts_app
 from ota.errors import FetchError, FetchStalled, FetchTooLarge
 from ota.fetch import fetch, redact_url
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.peers, pytest.mark.timeout(90)]
 T = TypeVar("T")
 
 SIZE = 3 * 1024 * 1024 + 777  # a few MB, not a whole number of CoAP blocks

@@ -21,8 +21,10 @@ from ota.probation import REGRESSION_MIN_WINDOWS, min_seconds, unreachable
 from ota.store import ContentStore
 from ota.trust import load_root
 from ota.verify import Policy, verify_bundle
-from tests.ota_support import DEVICE_TYPE, Signer, model_members
-from tests.test_ota_agent import ota_config
+from tests.support.ota import DEVICE_TYPE, Signer, model_members
+from tests.support.ota_agent import ota_config
+
+pytestmark = pytest.mark.peers
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agent.toml"
 #: The example config's grid: 100 Hz, a 64-step window every 64 steps.

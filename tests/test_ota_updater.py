@@ -28,11 +28,11 @@ from ota.store import ContentStore
 from ota.trust import load_root
 from ota.updater import download_name
 from ota.verify import Policy, verify_bundle
-from tests.ota_support import Signer, model_members
-from tests.test_firmware_slots import expect_slot, install, real_wheel, variant
-from tests.test_ota_agent import ota_config, run_agent, until
+from tests.support.firmware import expect_slot, install, variant
+from tests.support.ota import Signer, model_members
+from tests.support.ota_agent import ota_config, run_agent, until
 
-__all__ = ["real_wheel"]  # the session fixture, shared with the slot tests
+pytestmark = pytest.mark.peers
 
 
 def _config(tmp: Path, signer: Signer, old: str = "", new: str = "") -> AgentConfig:

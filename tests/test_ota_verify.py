@@ -60,6 +60,8 @@ from ota.verify import (
     verify_bundle,
 )
 
+pytestmark = pytest.mark.peers
+
 NOW = datetime(2026, 12, 3, 12, 0, 0, tzinfo=UTC)
 TFLITE = bytes(range(256)) * 64
 MODEL_JSON = b'{"name": "motor-drive", "file": "model.tflite"}\n'

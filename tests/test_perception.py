@@ -9,7 +9,7 @@ import pytest
 from drivers.sample import Sample
 from edge_agent import perception
 from edge_agent.perception import Aligner, PerceptionSpec, Window
-from tests.perception_reference import ReferenceAligner
+from tests.support.perception_reference import ReferenceAligner
 
 MS = 1_000_000
 T0 = 1_700_000_000_000_000_000  # a multiple of 10 ms: grid point 0

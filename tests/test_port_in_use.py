@@ -10,8 +10,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from edge_agent.memory.store import StoreLock
-from tests.mqtt_broker import mosquitto
+from tests.support.mosquitto import mosquitto
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.peers
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -26,12 +31,6 @@ def taken(kind: int = socket.SOCK_STREAM) -> Iterator[int]:
         if kind == socket.SOCK_STREAM:
             s.listen()
         yield int(s.getsockname()[1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def agent_config(tmp_path: Path, *, modbus: int, api: int) -> Path:

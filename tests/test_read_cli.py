@@ -20,8 +20,10 @@ from drivers.can.dbc import load_dbc
 from drivers.modbus import codec
 from drivers.specs import WORD_ORDERS, RegisterSpec, RegisterType
 from edge_agent.cli import app
-from tests.modbus_peer import device, peer_in_thread
-from tests.test_service import free_port
+from tests.support.modbus_peer import device, peer_in_thread
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.peers
 
 ROOT = Path(__file__).parents[1]
 DBC = ROOT / "drivers/sim/motor_drive.dbc"

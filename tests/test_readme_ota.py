@@ -24,7 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_service import free_port
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.peers
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

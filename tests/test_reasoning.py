@@ -16,7 +16,6 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from bench.hot_swap import copy_with_new_sha
 from drivers.sim.plant import SIGNALS, parse_anomaly
 from edge_agent.breaker import BreakerSpec
 from edge_agent.errors import ModelMismatch
@@ -34,8 +33,11 @@ from edge_agent.rules import (
 )
 from edge_agent.simwindows import T0_NS, plant_windows
 from models import LoadedModel, ModelManifest, load_model
+from models.copies import copy_with_new_sha
 from models.errors import ModelRejected
 from models.runtime import ColumnMedian
+
+pytestmark = pytest.mark.peers
 
 #: Spike heights that stand well out of each signal's noise (signal units).
 SPIKE = {

@@ -17,9 +17,11 @@ from fleet.rollout.orchestrator import request
 from models import load_model
 from ota.build import model_bundle_payloads
 from ota.updater import Updater
-from tests.mqtt_broker import Mosquitto, mosquitto
-from tests.ota_support import Signer, model_members
-from tests.rollout_support import dump, fleet, model_bundle, wait_for
+from tests.support.mosquitto import Mosquitto, mosquitto
+from tests.support.ota import Signer, model_members
+from tests.support.rollout import dump, fleet, model_bundle, wait_for
+
+pytestmark = pytest.mark.peers
 
 REPO = Path(__file__).resolve().parents[1]
 

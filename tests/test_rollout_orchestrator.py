@@ -21,9 +21,11 @@ from fleet.rollout import orchestrator as orch_module
 from fleet.rollout.orchestrator import Orchestrator, load, request
 from fleet.store import Row, Store
 from fleet.store.sqlite import SqliteStore
-from tests.test_fleet_store import Backend, backend  # noqa: F401 - the two-backend fixture
+from tests.support.stores import Backend
 from wire import OtaStatusMsg, decode_command
 from wire.messages import encode
+
+pytestmark = pytest.mark.peers
 
 S = 1_000_000_000
 T0 = 1_700_000_000 * S
@@ -136,7 +138,7 @@ def orchestrator(store: Store, clock: Clock, broker: Broker) -> Orchestrator:
 
 
 def test_status_pages_split_a_run_of_rows_stored_at_the_same_nanosecond(
-    backend: Backend,  # noqa: F811 - the fixture imported above
+    backend: Backend,
 ) -> None:
     store = backend.open()
     try:
@@ -164,7 +166,7 @@ def test_status_pages_split_a_run_of_rows_stored_at_the_same_nanosecond(
 
 
 def test_a_wave_with_more_reports_than_a_page_within_the_overlap_still_completes(
-    backend: Backend,  # noqa: F811 - the fixture imported above
+    backend: Backend,
 ) -> None:
     """stall.py: 200 devices, 60 progress reports each in a second, then their commits.
 

@@ -13,6 +13,8 @@ import pytest
 
 from models.native_log import runtime_stderr_to_log
 
+pytestmark = pytest.mark.peers
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CHATTER = "Created TensorFlow Lite XNNPACK delegate"

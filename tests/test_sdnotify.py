@@ -21,6 +21,8 @@ from edge_agent.sdnotify import (
     watchdog_loop,
 )
 
+pytestmark = pytest.mark.peers
+
 STAGES = ("perception", "reasoning")
 
 

@@ -4,53 +4,25 @@ import asyncio
 import dataclasses
 import json
 import logging
-import socket
-import tempfile
 import uuid
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from bench.hot_swap import copy_with_new_sha
 from drivers.sim.plant import parse_anomaly
 from drivers.sim.server import PlantSimulator
 from edge_agent.cli import app
-from edge_agent.config import AgentConfig, parse_config
 from edge_agent.errors import ModelMismatch, ReasoningError
 from edge_agent.perception import Window
 from edge_agent.rules import Decision
 from edge_agent.service import Agent
 from models import load_model
+from models.copies import copy_with_new_sha
+from tests.support.agent import EXAMPLES, example_config, example_text
+from tests.support.ports import free_port
 
-EXAMPLES = Path(__file__).parents[1] / "examples"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def example_text() -> str:
-    """The example config with its state (memory store) in a fresh temporary folder."""
-    state = tempfile.mkdtemp(prefix="edge-agent-state-")
-    return (
-        (EXAMPLES / "agent.toml")
-        .read_text()
-        .replace('state_dir = "../var/demo-gw-01"', f'state_dir = "{state}"')
-        .replace("port = 8080", "port = 0")
-    )
-
-
-def example_config(port: int, channel: str) -> AgentConfig:
-    text = example_text()
-    text = text.replace("port = 15020", f"port = {port}").replace(
-        'channel = "edgefleet-demo"', f'channel = "{channel}"'
-    )
-    text = text.replace("stats_interval_s = 2.0", "stats_interval_s = 0.5")
-    return parse_config(text, base_dir=EXAMPLES)
+pytestmark = pytest.mark.peers
 
 
 def test_agent_turns_simulated_plant_into_complete_windows() -> None:

@@ -19,6 +19,8 @@ from drivers.sim.plant import (
     step_index,
 )
 
+pytestmark = pytest.mark.peers
+
 SEED = 3  # runs from t = 6 s to past 200 s; steady 45 Hz in [30, 61)
 START, DURATION = 40.0, 20.0
 

@@ -13,6 +13,8 @@ from drivers.sim.registers import (
 )
 from drivers.specs import RegisterSpec
 
+pytestmark = pytest.mark.peers
+
 
 def _snapshot(t: float = 40.0) -> dict[str, float]:
     plant = MotorPlant(3)

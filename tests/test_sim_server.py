@@ -3,7 +3,6 @@
 import asyncio
 import itertools
 import logging
-import socket
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -20,8 +19,9 @@ from drivers.sim.plant import STEP_S, Anomaly, MotorPlant, step_index
 from drivers.sim.registers import SIM_REGISTERS
 from drivers.sim.server import MOTOR_DRIVE_DBC, PlantSimulator, SimOptions, serve
 from drivers.specs import RegisterSpec
+from tests.support.ports import free_port
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.peers, pytest.mark.timeout(30)]
 
 SEED = 3
 START = 31.0  # steady 45 Hz until t = 61 s for seed 3
@@ -306,12 +306,6 @@ def test_speed_scales_plant_time_not_frame_rates() -> None:
         rx.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _port_open(port: int) -> bool:
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -345,7 +339,7 @@ def test_exit_closes_the_port_and_the_bus() -> None:
 
 
 def test_serve_runs_until_cancelled(caplog: pytest.LogCaptureFixture) -> None:
-    port = _free_port()
+    port = free_port()
     options = SimOptions(
         seed=SEED,
         anomalies=(Anomaly("drift", "temperature", 0.1, 5, 3),),

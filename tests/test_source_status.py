@@ -23,9 +23,11 @@ from edge_agent.config import parse_config
 from edge_agent.dashboard import source_state
 from edge_agent.sdnotify import Notifier
 from edge_agent.service import Agent
-from tests.modbus_peer import device, start_peer, wait_until
-from tests.test_agent_service import notify_socket
-from tests.test_service import free_port
+from tests.support.agent import notify_socket
+from tests.support.modbus_peer import device, start_peer, wait_until
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.peers
 
 ROOT = Path(__file__).parents[1]
 

@@ -14,6 +14,8 @@ from edge_agent.cli import app
 from edge_agent.config import load_config
 from edge_agent.statepaths import filesystem_of, path_problems, state_paths
 
+pytestmark = pytest.mark.peers
+
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 

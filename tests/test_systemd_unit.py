@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.peers
+
 ROOT = Path(__file__).resolve().parents[1]
 UNITS = ROOT / "firmware" / "systemd"
 INSTALL = ROOT / "docs" / "INSTALL.md"

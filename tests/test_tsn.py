@@ -12,7 +12,9 @@ from typer.testing import CliRunner
 
 from edge_agent.errors import ConfigError
 from edge_agent.tsn import apply_problem, schedule_from_config, tc_failure, tsn_app
-from tests.netns import in_netns, netns, netns_problem
+from tests.support.netns import in_netns, netns, netns_problem
+
+pytestmark = pytest.mark.peers
 
 REPO = Path(__file__).resolve().parent.parent
 runner = CliRunner(env={"COLUMNS": "200"})

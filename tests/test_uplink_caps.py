@@ -14,14 +14,18 @@ import sqlite3
 import time
 from pathlib import Path
 
+import pytest
+
 from edge_agent.uplink.publisher import Uplink
 from fleet.ingest import MAX_PACKET_BYTES, IngestConfig, IngestWorker
 from fleet.store import open_store
-from tests.mqtt_broker import mosquitto
-from tests.test_fleet_ingest import Publisher
-from tests.test_uplink_mqtt import section, stop, subscriber, until, uplink
-from tests.uplink_device_proc import MODEL_SHA, make_decision
+from tests.support.fleet import Publisher
+from tests.support.mosquitto import mosquitto
+from tests.support.uplink import section, stop, subscriber, until, uplink
+from tests.support.uplink_device_proc import MODEL_SHA, make_decision
 from wire import MAX_PAYLOAD_BYTES, SignalStats, TelemetryMsg, TelemetryPeriod, encode, topic
+
+pytestmark = pytest.mark.peers
 
 LONGEST = "n" * 128  # the longest site, device and signal name the wire allows
 

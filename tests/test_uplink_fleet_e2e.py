@@ -14,15 +14,20 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from drivers.sim.server import PlantSimulator
 from edge_agent.config import parse_config
 from edge_agent.service import Agent
 from edge_agent.uplink.telemetry import Reconstructor, periods_of
 from fleet.ingest import IngestConfig, IngestWorker
 from fleet.store import open_store
-from tests.mqtt_broker import mosquitto
-from tests.test_service import EXAMPLES, example_text, free_port
+from tests.support.agent import EXAMPLES, example_text
+from tests.support.mosquitto import mosquitto
+from tests.support.ports import free_port
 from wire import TelemetryMsg, decode
+
+pytestmark = pytest.mark.peers
 
 
 def test_agent_to_broker_to_fleet_store_with_seq_continuity(tmp_path: Path) -> None:

@@ -13,6 +13,8 @@ from edge_agent.uplink.config import UplinkSection
 from edge_agent.uplink.errors import OutboxError
 from edge_agent.uplink.outbox import MAX_PREVIOUS_BOOTS, Outbox, Session
 
+pytestmark = pytest.mark.peers
+
 T = "edgefleet/v1/s/d/telemetry"
 D = "edgefleet/v1/s/d/decision"
 OTA = "edgefleet/v1/s/d/ota/status"
@@ -254,7 +256,7 @@ def test_config_check_names_key_value_and_expectation(tmp_path: Path) -> None:
 
 def test_bad_messages_are_dropped_and_counted_without_a_seq_gap(tmp_path: Path) -> None:
     from edge_agent.uplink.publisher import Uplink  # noqa: PLC0415
-    from tests.uplink_device_proc import MODEL_SHA, make_decision  # noqa: PLC0415
+    from tests.support.uplink_device_proc import MODEL_SHA, make_decision  # noqa: PLC0415
     from wire.messages import OtaStatusMsg  # noqa: PLC0415
 
     up = Uplink(

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.mqtt_broker import mosquitto
-from tests.test_uplink_mqtt import section, until, uplink
-from tests.uplink_device_proc import make_decision
+from tests.support.mosquitto import mosquitto
+from tests.support.uplink import section, until, uplink
+from tests.support.uplink_device_proc import make_decision
+
+pytestmark = pytest.mark.peers
 
 UPLINK_LOG = "edge_agent.uplink.publisher"
 

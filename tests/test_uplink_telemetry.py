@@ -24,6 +24,8 @@ from edge_agent.uplink.telemetry import (
 )
 from wire.messages import SignalStats, TelemetryMsg, decode, encode
 
+pytestmark = pytest.mark.peers
+
 MS = 1_000_000
 NAN = math.nan
 BOOT = "0123456789abcdef0123456789abcdef"

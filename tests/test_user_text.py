@@ -22,7 +22,10 @@ from edge_agent.cli import app as agent_app
 from edge_agent.config import parse_config
 from edge_agent.service import Agent
 from fleet.cli import app as fleet_app
-from tests.test_service import example_text, free_port
+from tests.support.agent import example_text
+from tests.support.ports import free_port
+
+pytestmark = pytest.mark.peers
 
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()

@@ -46,7 +46,7 @@ store refuses, which is then quarantined alone: when the store says it refuses t
 (``StoreRefused``: a constraint, a value it cannot hold), or after it failed that message
 five times in a row while answering a ping each time; never during an outage (a database
 that is down, or coming back, must not make a good message look bad). Tested with
-PostgreSQL cut off for 6 s mid-stream (tests/tcp_proxy.py).
+PostgreSQL cut off for 6 s mid-stream (tests/support/tcp_proxy.py).
 """
 
 from fleet.ingest.checks import BatchOutcome, check_message, process_batch

@@ -78,5 +78,5 @@ def assert_isolated() -> None:
     if names != ["lo"] or not private:
         raise SystemExit(
             f"refusing to use multicast: interfaces {names}, in a named namespace: {private}; "
-            "run me with `ip netns exec` in a namespace from tests.netns.netns()"
+            "run me with `ip netns exec` in a namespace from tests.support.netns.netns()"
         )

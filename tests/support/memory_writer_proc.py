@@ -1,6 +1,6 @@
 """A process that writes to a memory store at full rate, for the kill -9 test.
 
-    python -m tests.memory_writer_proc STATE_DIR START_NS
+    python -m tests.support.memory_writer_proc STATE_DIR START_NS
 
 Every value changes (1024 rows per 16-signal window). It keeps the writer's pending list
 at most half full (backpressure in the producer, so nothing is dropped) and after every

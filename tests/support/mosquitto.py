@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.support.ports import free_port
+
 
 def mosquitto_binary() -> str:
     found = shutil.which("mosquitto") or (
@@ -25,13 +27,6 @@ def mosquitto_binary() -> str:
     if found is None:
         raise RuntimeError("mosquitto is not installed (Debian package `mosquitto`)")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Mosquitto:

@@ -10,7 +10,7 @@ import cantools.database
 import pytest
 from cantools.database.can import Database as CanDatabase
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: The real Subaru capture, copied into the repository (source, license, sha256: its README).
 SUBARU_DIR = REPO / "tests" / "data" / "can" / "subaru-wrx"
 SUBARU_LOG = SUBARU_DIR / "can_sample_t34-54s.log"

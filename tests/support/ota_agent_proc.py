@@ -1,6 +1,6 @@
 """The agent in a child process, for the OTA crash tests.
 
-    python -m tests.ota_agent_proc CONFIG MODBUS_PORT CHANNEL [BUNDLE KILL_AT]
+    python -m tests.support.ota_agent_proc CONFIG MODBUS_PORT CHANNEL [BUNDLE KILL_AT]
 
 Runs the agent against the plant simulator. With BUNDLE, installs it once a few windows
 were decided and SIGKILLs itself right after the journal reached state KILL_AT (the

@@ -1,10 +1,10 @@
 """The two ends of the cross-process CAN test, each run in its own process in a netns.
 
-``python -m tests.can_peer recv ...`` runs our :class:`CanSource` on a ``udp_multicast``
+``python -m tests.support.can_peer recv ...`` runs our :class:`CanSource` on a ``udp_multicast``
 bus, prints ``READY`` once the bus is open, and when it has seen ``--expect`` frames (or
 ``--timeout`` passed) prints one JSON line with its stats and every sample.
 
-``python -m tests.can_peer send ...`` plays the first ``--count`` frames of a candump
+``python -m tests.support.can_peer send ...`` plays the first ``--count`` frames of a candump
 capture onto the bus at ``--rate`` frames/s and prints one JSON line with the
 ``time.time_ns()`` taken just before each send.
 """
@@ -23,7 +23,7 @@ import can
 from drivers.buffer import SampleBuffer
 from drivers.can.reader import CanSource
 from drivers.specs import CanSpec
-from tests.netns import assert_isolated
+from tests.support.netns import assert_isolated
 
 
 def pace(i: int, t0: float, rate: float) -> None:
@@ -89,7 +89,7 @@ async def receive(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tests.can_peer")
+    parser = argparse.ArgumentParser(prog="python -m tests.support.can_peer")
     sub = parser.add_subparsers(dest="role", required=True)
     rx = sub.add_parser("recv")
     rx.add_argument("--dbc", required=True)

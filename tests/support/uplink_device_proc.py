@@ -1,6 +1,6 @@
 """A device process for the uplink's kill tests: runs a real :class:`Uplink` and produces.
 
-``python -m tests.uplink_device_proc --state-dir D --port P --count N [--rate R]``
+``python -m tests.support.uplink_device_proc --state-dir D --port P --count N [--rate R]``
 
 Produces N decisions (R per second; 0: at once; with ``--after-connect`` only once the
 uplink is connected), then prints one JSON line

@@ -22,8 +22,9 @@ from fleet.rollout import machine as m
 from fleet.rollout.orchestrator import RolloutService, create_rollout, load, serve_rollouts
 from fleet.rollout.plan import parse_selector
 from fleet.store import Store, open_store
-from tests.mqtt_broker import Mosquitto, free_port
-from tests.ota_support import DEVICE_TYPE, Signer, model_members
+from tests.support.mosquitto import Mosquitto
+from tests.support.ota import DEVICE_TYPE, Signer, model_members
+from tests.support.ports import free_port
 
 SITE = "plant-t"
 

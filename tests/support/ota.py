@@ -10,7 +10,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from bench.hot_swap import copy_with_new_sha
+from models.copies import copy_with_new_sha
 from ota import build, keys
 
 DEVICE_TYPE = "motor-drive-gw"
