@@ -2,9 +2,9 @@
 the commands it publishes, with a simulated clock and no broker.
 
 Status rows are real wire bodies, stored with :meth:`Store.ingest` as the ingest stores
-them. The paging cases run on both backends (the ``backend`` fixture of the store tests);
-the rest on a SQLite file. A store whose ``save_rollout`` fails on demand is the real
-SQLite store with that one method wrapped.
+them. The paging cases run on both SQL backends (the ``backend`` fixture); the rest, about
+the orchestrator's logic, on the in-memory store (tests/support/memstore.py, checked
+against SQLite by tests/test_memstore.py), whose ``save_rollout`` fails on demand.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fleet.rollout import machine as m
 from fleet.rollout import orchestrator as orch_module
 from fleet.rollout.orchestrator import Orchestrator, load, request
 from fleet.store import Row, Store
-from fleet.store.sqlite import SqliteStore
+from tests.support.memstore import MemoryStore
 from tests.support.stores import Backend
 from wire import OtaStatusMsg, decode_command
 from wire.messages import encode
@@ -109,8 +109,8 @@ class Broker:
         return out
 
 
-class FlakyStore(SqliteStore):
-    """The SQLite store, but ``save_rollout`` fails while ``fail`` is set."""
+class FlakyStore(MemoryStore):
+    """The in-memory store, but ``save_rollout`` fails while ``fail`` is set."""
 
     fail = False
 
@@ -120,8 +120,8 @@ class FlakyStore(SqliteStore):
         super().save_rollout(rollout_id, state, doc, now_ns)
 
 
-def sqlite_store(tmp_path: Path, devices: list[str]) -> FlakyStore:
-    store = FlakyStore(f"sqlite://{tmp_path / 'fleet.db'}")
+def memory_store(devices: list[str]) -> FlakyStore:
+    store = FlakyStore()
     store.migrate()
     for d in devices:
         store.register_device(d, SITE)
@@ -215,7 +215,7 @@ def test_a_wave_with_more_reports_than_a_page_within_the_overlap_still_completes
 def test_an_earlier_rollouts_reports_of_the_same_bundle_are_not_applied(tmp_path: Path) -> None:
     """replay.py: r1 of a bundle fails on d0 (boot A); d0 is fixed and reboots (boot B);
     r2 of the same bundle must not take boot A's failure, also after a restart."""
-    store = sqlite_store(tmp_path, ["d0"])
+    store = memory_store(["d0"])
     clock, broker = Clock(), Broker()
     params = m.Params(min_devices=1, max_failure=0.0)
     add_rollout(store, "r1", [["d0"]], params, T0)
@@ -254,7 +254,7 @@ def test_an_earlier_rollouts_reports_of_the_same_bundle_are_not_applied(tmp_path
 def test_a_late_report_of_an_earlier_boot_does_not_take_the_device_over(tmp_path: Path) -> None:
     """d0 reports from boot A, reboots and reports from boot C; a report of boot A's boot
     before, B, reaches the store late (boot B was never seen): it is older by t_ns."""
-    store = sqlite_store(tmp_path, ["d0", "d1"])
+    store = memory_store(["d0", "d1"])
     clock, broker = Clock(), Broker()
     add_rollout(store, "r1", [["d0", "d1"]], m.Params(min_devices=1), T0)
     orch = orchestrator(store, clock, broker)
@@ -290,7 +290,7 @@ def test_a_late_report_of_an_earlier_boot_does_not_take_the_device_over(tmp_path
 def test_a_failed_save_loses_no_report_after_a_restart(tmp_path: Path) -> None:
     """cursor2.py: the first step after a restart fails to save; d0's commit, read by that
     step, must still count, though later traffic arrived meanwhile."""
-    store = sqlite_store(tmp_path, ["d0", "d1"])
+    store = memory_store(["d0", "d1"])
     clock, broker = Clock(), Broker()
     add_rollout(store, "r1", [["d0", "d1"]], m.Params(), T0)
     orchestrator(store, clock, broker).step()
@@ -310,7 +310,7 @@ def test_a_failed_save_loses_no_report_after_a_restart(tmp_path: Path) -> None:
 
 
 def test_a_failed_save_sends_nothing_of_that_step(tmp_path: Path) -> None:
-    store = sqlite_store(tmp_path, ["d0", "d1"])
+    store = memory_store(["d0", "d1"])
     clock, broker = Clock(), Broker()
     add_rollout(store, "r1", [["d0"], ["d1"]], m.Params(min_devices=1), T0)
     orch = orchestrator(store, clock, broker)
@@ -332,7 +332,7 @@ def test_a_request_taken_by_a_step_whose_save_fails_is_applied_by_the_next(
 ) -> None:
     """The request stays pending in the store until its rollout is saved: neither the next
     step nor a restarted orchestrator (a crash between reading and saving) loses it."""
-    store = sqlite_store(tmp_path, ["d0", "d1", "d2"])
+    store = memory_store(["d0", "d1", "d2"])
     clock, broker = Clock(), Broker()
     add_rollout(store, "r1", [["d0"], ["d1", "d2"]], m.Params(min_devices=1), T0)
     orch = orchestrator(store, clock, broker)
@@ -367,7 +367,7 @@ def test_a_request_taken_by_a_step_whose_save_fails_is_applied_by_the_next(
 def test_a_halt_sends_rollback_to_the_devices_in_flight(tmp_path: Path) -> None:
     """linger.py: d0 fails permanently and the rollout halts while d1 is in probation and
     d2 has its offer: both are told to roll back, once, and an abort later still works."""
-    store = sqlite_store(tmp_path, ["d0", "d1", "d2"])
+    store = memory_store(["d0", "d1", "d2"])
     clock, broker = Clock(), Broker()
     add_rollout(store, "r1", [["d0", "d1", "d2"]], m.Params(min_devices=1, max_failure=0.0), T0)
     orch = orchestrator(store, clock, broker)
@@ -403,7 +403,7 @@ def test_a_halt_sends_rollback_to_the_devices_in_flight(tmp_path: Path) -> None:
 def test_an_abort_of_a_rollout_halted_long_ago_is_still_applied(tmp_path: Path) -> None:
     """linger.py, the end: the CLI accepts an abort of a halted rollout at any time; the
     orchestrator took it and dropped it once the rollout was past LINGER_S."""
-    store = sqlite_store(tmp_path, ["d0", "d1"])
+    store = memory_store(["d0", "d1"])
     clock, broker = Clock(), Broker()
     add_rollout(store, "r1", [["d0", "d1"]], m.Params(min_devices=1, max_failure=0.0), T0)
     orch = orchestrator(store, clock, broker)
