@@ -494,7 +494,7 @@ class Dashboard:
         lines += [t.plain for t in self._summary_lines()]
         return "\n".join(lines)
 
-    def _summary_lines(self) -> list[Text]:
+    def _summary_lines(self) -> list[Text]:  # noqa: PLR0915 - one screen of the live view, line by line
         elapsed = self.elapsed()
         windows = _int(self.status.get("windows"))
         lines = []

@@ -367,7 +367,7 @@ class GateScheduler:
     def snapshot(self) -> dict[str, Any]:
         return self.stats.snapshot(self._clock())
 
-    async def run(self) -> None:
+    async def run(self) -> None:  # noqa: PLR0915 - the scheduler's hot loop; every split is a call per gate opening
         """Run until cancelled."""
         gcl, stats, clock = self.gcl, self.stats, self._clock
         shifted = clock is not time.time_ns

@@ -438,7 +438,7 @@ class ReasoningStage:
 
     # -- the hot path ---------------------------------------------------------------------
 
-    def process(
+    def process(  # noqa: PLR0915 - one window through the stage (features, model, rules, attribution) on the hot path
         self,
         window: Window,
         now_ns: int,

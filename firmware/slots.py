@@ -676,7 +676,7 @@ def why_unusable(
 # --- wheel checks -------------------------------------------------------------------------
 
 
-def _check_members(
+def _check_members(  # noqa: PLR0915 - every check a wheel member passes before extraction, in one place to audit
     zf: zipfile.ZipFile, wheel: Path, limits: WheelLimits
 ) -> list[tuple[zipfile.ZipInfo, tuple[str, ...]]]:
     """Check every member's name, type and declared size; nothing is written before this."""

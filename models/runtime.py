@@ -302,7 +302,7 @@ def _tensor_spec(fields: _Fields, key: str) -> TensorSpec:
     )
 
 
-def _parse_manifest(data: object, source: str) -> ModelManifest:
+def _parse_manifest(data: object, source: str) -> ModelManifest:  # noqa: PLR0915 - loading a model: each manifest key checked where it is read
     top = _Fields(data, source)
     unknown = sorted(set(top.data) - _KNOWN_KEYS)
     if unknown:
@@ -529,7 +529,7 @@ class LoadedModel:
         "threads",
     )
 
-    def __init__(
+    def __init__(  # noqa: PLR0915 - one occlusion batch on the hot path
         self,
         *,
         manifest: ModelManifest,

@@ -664,7 +664,7 @@ def write_card(manifest: Mapping[str, Any], path: Path = CARD_PATH) -> bool:
 # -- main ------------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - the training pipeline, step by step, as make model runs it
     parser = argparse.ArgumentParser(prog="python -m models.train", description=__doc__)
     parser.add_argument(
         "--variant",

@@ -150,7 +150,7 @@ class BundleReader:
         self._pos += BLOCK
         return block
 
-    def next_member(self) -> Member | None:
+    def next_member(self) -> Member | None:  # noqa: PLR0915 - one tar header, field by field, each refused with its own reason
         """The next regular member, or ``None`` at a valid end of archive (checked)."""
         if self._pending_data:
             raise RuntimeError("read or skip the previous member's data first")

@@ -213,7 +213,7 @@ class _CoapTransport:
         self._sent = 0
         await old.shutdown()
 
-    async def open(
+    async def open(  # noqa: PLR0915 - one ranged request and its answer's checks, in order
         self, url: str, offset: int, length: int
     ) -> AsyncGenerator[tuple[int, bytes], None]:
         import aiocoap  # noqa: PLC0415

@@ -286,7 +286,7 @@ def _target(up: Update | None, event: str) -> Installed:
     return tgt
 
 
-def step(
+def step(  # noqa: PLR0915 - the one transition function: the table's check and each event's effect
     j: Journal,
     event: Event,
     now_ns: int,

@@ -196,7 +196,7 @@ def read_manifest(
     return parse_signed(signed), hashlib.sha256(body).hexdigest()
 
 
-def verify_bundle(
+def verify_bundle(  # noqa: PLR0915 - the checks in the order the security argument needs, in one place to audit
     path: Path,
     *,
     root: TrustRoot | None,

@@ -179,7 +179,7 @@ class ModbusSource:
             self._client = client
             await self._poll_forever(client, sink)
 
-    async def _poll_forever(self, client: ModbusClient, sink: SampleBuffer) -> None:
+    async def _poll_forever(self, client: ModbusClient, sink: SampleBuffer) -> None:  # noqa: PLR0915 - the poll loop: one cycle inline on the hot path, reconnect around it
         monotonic = time.monotonic
         # Connect before starting the schedule, so the time it takes (pymodbus adds 100 ms)
         # does not make every block start late.

@@ -611,7 +611,7 @@ class MemoryStage:
             stale[missing] = True
         return values, stale
 
-    def _persist(
+    def _persist(  # noqa: PLR0915 - one window's write item, built in the order the store needs
         self,
         window: Window,
         values: npt.NDArray[np.float32],
