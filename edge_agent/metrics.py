@@ -103,6 +103,9 @@ class ModelStatus(TypedDict, total=False):
     name: str
     version: str
     sha256: str
+    backend: str
+    kernels: str  # xnnpack | builtin
+    selftest: str  # passed | absent | untested (models.selftest)
 
 
 class ReasoningStatus(TypedDict, total=False):
@@ -475,9 +478,10 @@ def _families(s: Mapping[str, Any], out: _Out) -> None:
     )
     out.info(
         "edgefleet_model",
-        "The model serving now.",
+        "The model serving now, the runtime and kernels it runs on and its known-answer "
+        "self-test (passed, absent: no known answers in its manifest).",
         status_at(reasoning, "model"),
-        ("name", "version", "sha256"),
+        ("name", "version", "sha256", "backend", "kernels", "selftest"),
     )
     health_families(status_at(reasoning, "model_health"), out)
 
