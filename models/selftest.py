@@ -22,6 +22,7 @@ caller's thread (the agent calls it from a worker thread).
 
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import dataclass
 from importlib import metadata
@@ -100,7 +101,7 @@ def run(model: LoadedModel) -> Verdict | None:
     if answers is None:
         return None
     actual = np.stack([model.predict_int8(w) for w in answers.inputs])
-    return compare(answers, model.kernels, actual)
+    return compare(answers, model.kernels, actual, platform.machine())
 
 
 def load_checked(
@@ -219,9 +220,15 @@ def golden_inputs(model: LoadedModel, n: int = DEFAULT_WINDOWS) -> npt.NDArray[n
     return np.concatenate([zeros, values[sorted(chosen)]]).astype(np.float32)
 
 
-def record(model_dir: Path | str, n: int = DEFAULT_WINDOWS) -> KnownAnswers:
-    """The known answers of the model in ``model_dir`` on this machine: golden inputs and
-    the int8 outputs of LiteRT with XNNPACK and on its builtin kernels."""
+def record(model_dir: Path | str, n: int = DEFAULT_WINDOWS, *, fresh: bool = False) -> KnownAnswers:
+    """The known answers of the model in ``model_dir`` with this machine's outputs (LiteRT,
+    XNNPACK and builtin kernels) added.
+
+    When the manifest already has known answers (and not ``fresh``) their golden inputs and
+    the other machines' outputs are kept: the inputs must be the same bytes everywhere, and
+    the plant simulation that makes new ones may round differently on another machine.
+    ``fresh`` (a newly trained model: old answers mean nothing) makes new inputs.
+    """
     fast = load_model(model_dir, backend="ai_edge_litert")
     plain = load_model(model_dir, backend="ai_edge_litert", xnnpack=False)
     if not fast.delegated:
@@ -229,21 +236,32 @@ def record(model_dir: Path | str, n: int = DEFAULT_WINDOWS) -> KnownAnswers:
             "XNNPACK did not take the graph here: cannot record its known answers",
             path=str(Path(model_dir) / MANIFEST_NAME),
         )
-    inputs = golden_inputs(fast, n)
-    expected = {
+    old = None if fresh else fast.manifest.known_answers
+    inputs = old.inputs if old is not None else golden_inputs(fast, n)
+    mine = {
         "xnnpack": np.stack([fast.predict_int8(w) for w in inputs]),
         "builtin": np.stack([plain.predict_int8(w) for w in inputs]),
     }
-    diff = np.abs(expected["xnnpack"].astype(np.int16) - expected["builtin"]).max(axis=1)
+    diff = np.abs(mine["xnnpack"].astype(np.int16) - mine["builtin"]).max(axis=1)
+    machine = platform.machine()
     info = {
         "backend": f"ai_edge_litert {_version('ai-edge-litert')}",
-        "machine": platform.machine(),
+        "numpy": _version("numpy"),
         "xnnpack_vs_builtin": {
             "windows_differing": int((diff > 0).sum()),
             "max_abs_int8_diff": int(diff.max()),
         },
     }
-    return KnownAnswers(inputs=inputs, expected=expected, tolerance=0, recorded_with=info)
+    if os.environ.get("QEMU_CPU"):
+        info["emulated"] = f"qemu-user, QEMU_CPU={os.environ['QEMU_CPU']}"
+    expected = {**(old.expected if old is not None else {}), machine: mine}
+    recorded = {**(old.recorded_with if old is not None else {}), machine: info}
+    return KnownAnswers(
+        inputs=inputs,
+        expected=dict(sorted(expected.items())),
+        tolerance=0,
+        recorded_with=dict(sorted(recorded.items())),
+    )
 
 
 def _version(dist: str) -> str:
