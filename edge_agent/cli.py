@@ -25,6 +25,7 @@ from edge_agent.errors import (
     ConfigError,
     ModelMismatch,
     ReasoningError,
+    SelfTestFailed,
     ServiceError,
     StatePathError,
 )
@@ -32,6 +33,7 @@ from edge_agent.memory.cli import memory_app
 from edge_agent.memory.errors import MemoryStoreError
 from edge_agent.ota_cli import ota_app
 from edge_agent.read_cli import read
+from edge_agent.selftest_cli import selftest
 from edge_agent.tsn import tsn_app
 from edge_agent.uplink.errors import UplinkError
 
@@ -60,6 +62,7 @@ app.add_typer(
     tsn_app, name="tsn", help="Render or apply the gate schedule as a taprio qdisc (802.1Qbv)."
 )
 app.command("read")(read)
+app.command("selftest")(selftest)
 
 ConfigOpt = Annotated[
     Path, typer.Option("--config", "-c", help="Agent config (TOML).", show_default=True)
@@ -194,9 +197,10 @@ def run(
     """Run the agent: sources -> perception -> memory -> reasoning, logging rates, drops and
     alarms.
 
-    Exit codes: 2 for a bad config (a state folder it cannot make or write included) or a
-    model that does not fit it, 1 for a model that cannot be loaded or a runtime failure
-    (a port in use, the memory store held by another agent).
+    Exit codes: 2 for a bad config (a state folder it cannot make or write included), a
+    model that does not fit it or one that fails its known-answer self-test, 1 for a model
+    that cannot be loaded or a runtime failure (a port in use, the memory store held by
+    another agent).
     """
     from drivers.sim.plant import parse_anomaly  # noqa: PLC0415
 
@@ -216,7 +220,8 @@ def run(
         typer.echo(f"edge-agent: {exc}", err=True)
         # A model that does not fit the config is a config problem; one that does not load
         # (corrupt, missing runtime) is a runtime failure.
-        raise typer.Exit(2 if isinstance(exc, ModelMismatch) else 1) from None
+        # A model whose known answers fail on every kernel set is refused the same way.
+        raise typer.Exit(2 if isinstance(exc, (ModelMismatch, SelfTestFailed)) else 1) from None
     except StatePathError as exc:
         typer.echo(f"{config}: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -65,6 +65,12 @@ class ModelMismatch(ReasoningError):
     """
 
 
+class SelfTestFailed(ReasoningError):
+    """A model gave wrong answers for its golden windows on every kernel set the runtime
+    has (:mod:`models.selftest`): it is not served. At start the agent exits 2; a hot swap
+    or an OTA install keeps the serving model."""
+
+
 class ProbeError(AgentError, ValueError):
     """A health probe cannot be accepted; ``where`` names the faulty part of its JSON body.
 

@@ -51,6 +51,9 @@ class ModelStatus(TypedDict, total=False):
     name: str
     version: str
     sha256: str
+    backend: str
+    kernels: str  # xnnpack | builtin
+    selftest: str  # passed | absent | untested (models.selftest)
 
 
 class ReasoningStatus(TypedDict, total=False):

@@ -316,7 +316,11 @@ FAMILIES: tuple[Family, ...] = (
         (("applied", (*_R, "swaps")), ("refused", (*_R, "swaps_refused"))),
     ),
     Info(
-        "edgefleet_model", "The model serving now.", (*_R, "model"), ("name", "version", "sha256")
+        "edgefleet_model",
+        "The model serving now, the runtime and kernels it runs on and its known-answer "
+        "self-test (passed, absent: no known answers in its manifest).",
+        (*_R, "model"),
+        ("name", "version", "sha256", "backend", "kernels", "selftest"),
     ),
     _model_health,
     _breaker_state,

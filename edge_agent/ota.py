@@ -38,15 +38,17 @@ from typing import TYPE_CHECKING, Any
 from edge_agent import __version__
 from edge_agent.acquisition import contract_check
 from edge_agent.config import parse_config
-from edge_agent.errors import AgentError, ConfigError, ReasoningError
+from edge_agent.errors import AgentError, ConfigError, ReasoningError, SelfTestFailed
 from edge_agent.ota_config import OtaSection, ota_dir
 from edge_agent.probe import parse_probe
 from firmware.boot import ENV_SLOT, parse_slot_env
 from firmware.errors import RollbackUnavailable
 from firmware.slots import Slots
+from models import selftest
 from models.errors import ModelRejected
-from models.runtime import ModelManifest
-from ota.errors import ActivationError, StorageError
+from models.runtime import LoadedModel, ModelManifest
+from models.selftest import KnownAnswersFailed
+from ota.errors import ActivationError, ModelSelfTestFailed, StorageError
 from ota.machine import Installed, Journal, recover
 from ota.probation import Baseline, Observation
 from ota.store import ContentStore
@@ -56,7 +58,7 @@ from wire import OtaStatusMsg, WireError, decode_command
 
 if TYPE_CHECKING:
     from edge_agent.config import AgentConfig
-    from edge_agent.reasoning import Scorer
+    from edge_agent.reasoning import PreparedModel, ReasoningStage, Scorer
     from edge_agent.rules import Decision
     from edge_agent.service import Agent
 
@@ -222,6 +224,8 @@ class AgentOta:
             where = await asyncio.to_thread(self._materialise_model, target, store)
             try:
                 old = await self.agent.reload_model(where)
+            except SelfTestFailed as exc:
+                raise ModelSelfTestFailed(str(exc)) from None
             except ReasoningError as exc:
                 raise ActivationError(str(exc)) from None
             self._retired[self.serving_model] = old
@@ -283,7 +287,12 @@ class AgentOta:
         )
         old = self._retired.get(want)
         if old is not None:
-            prepared = await asyncio.to_thread(stage.prepare, old)
+            # Its known answers again before it serves again (the self-test runs wherever
+            # a model is brought in; a retired model keeps its interpreter).
+            try:
+                prepared = await asyncio.to_thread(_retest_and_prepare, stage, old)
+            except SelfTestFailed as exc:
+                raise ActivationError(f"cannot bring back the previous model: {exc}") from None
             replaced = stage.swap(prepared)
             self._retired[self.serving_model] = replaced
             self.serving_model = want
@@ -633,3 +642,14 @@ async def _post_health(host: str, port: int, body: dict[str, Any]) -> bool:
             return resp.status == 200
     except (aiohttp.ClientError, TimeoutError, OSError):
         return False
+
+
+def _retest_and_prepare(stage: ReasoningStage, model: Scorer) -> PreparedModel:
+    """A retired model's known answers checked again, then prepared for the swap (in a
+    worker thread). Raises :class:`SelfTestFailed`."""
+    if isinstance(model, LoadedModel):
+        try:
+            model = selftest.check(model)
+        except KnownAnswersFailed as exc:
+            raise SelfTestFailed(f"reasoning: {model.path.parent} is not served: {exc}") from None
+    return stage.prepare(model)

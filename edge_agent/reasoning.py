@@ -648,6 +648,7 @@ class ReasoningStage:
                 "sha256": self._active.sha256,
                 # Features and quantization compiled (models.kernels) or on numpy.
                 "jit": bool(getattr(self._active.model, "jit", False)),
+                **_selftest_fields(self._active.model),
             },
             "by_model": dict(st.by_model),
             "swaps": st.swaps,
@@ -658,6 +659,20 @@ class ReasoningStage:
                 "reasoning": percentiles(st.reasoning_us),
             },
         }
+
+
+def _selftest_fields(model: Scorer) -> dict[str, object]:
+    """What serves and what its known-answer self-test found (:mod:`models.selftest`):
+    ``backend``, ``kernels`` (xnnpack | builtin), ``selftest`` (passed | absent |
+    untested) and ``selftest_fallback`` (why the delegate was not used, else None)."""
+    result = getattr(model, "selftest", None)
+    status = result.status() if result is not None else {}
+    return {
+        "backend": status.get("backend", getattr(model, "backend", "unknown")),
+        "kernels": status.get("kernels", getattr(model, "kernels", "unknown")),
+        "selftest": status.get("result", "untested"),
+        "selftest_fallback": status.get("fallback"),
+    }
 
 
 def _health_of(prepared: PreparedModel, spec: HealthSpec) -> ModelHealth:

@@ -54,7 +54,7 @@ from edge_agent import __version__
 from edge_agent.acquisition import contract_check
 from edge_agent.api import HealthApi
 from edge_agent.config import AgentConfig
-from edge_agent.errors import ModelMismatch, ReasoningError, ServiceError
+from edge_agent.errors import ModelMismatch, ReasoningError, SelfTestFailed, ServiceError
 from edge_agent.gates import GateScheduler, uplink_priority
 from edge_agent.gcl import STAGES
 from edge_agent.health_report import log_contract, report_notices, state_health
@@ -80,9 +80,10 @@ from edge_agent.uplink.telemetry import (
     TelemetryAggregator,
     telemetry_batch_msg,
 )
-from models import load_model
+from models import LoadedModel
 from models.errors import ModelError
 from models.kernels import unavailable_reason
+from models.selftest import KnownAnswersFailed, SelfTest, load_checked
 from wire.messages import Message, SignalStats
 
 log = logging.getLogger(__name__)
@@ -705,20 +706,21 @@ class Agent:
         where = model_dir if model_dir is not None else rc.model_dir
 
         def load() -> PreparedModel:
-            try:
-                model = load_model(where, backend=rc.backend, threads=rc.threads, jit=rc.jit)
-            except ModelError as exc:
-                raise ReasoningError(f"reasoning: cannot load {where}: {exc}") from None
+            # Loaded, then its known answers checked (falling back to the builtin kernels
+            # when the delegate's are wrong), all in this worker thread.
+            model = load_tested(where, rc.backend, rc.threads, rc.jit)
             return stage.prepare(model)
 
         try:
             prepared = await asyncio.to_thread(load)
-        except ModelMismatch as exc:
-            # Its rules or its input contract do not fit this config: the old model serves.
+        except (ModelMismatch, SelfTestFailed) as exc:
+            # Its rules or its input contract do not fit this config, or its arithmetic is
+            # wrong here: the old model serves.
             stage.stats.swaps_refused += 1
             log.error("model swap refused, the serving model stays: %s", exc)
             raise
         log_contract(prepared.contract)
+        log_selftest(prepared.model)
         t0 = time.perf_counter_ns()
         old = stage.swap(prepared)
         #: What the swap itself held the loop for, ns (bench.ota reports it).
@@ -919,10 +921,7 @@ def build_stage(config: AgentConfig, *, contract: bool = True) -> ReasoningStage
     """
     rc = config.reasoning
     where = str(rc.model_dir) if rc.model_dir is not None else "the committed default model"
-    try:
-        model = load_model(rc.model_dir, backend=rc.backend, threads=rc.threads, jit=rc.jit)
-    except ModelError as exc:
-        raise ReasoningError(f"reasoning: cannot load {where}: {exc}") from None
+    model = load_tested(rc.model_dir, rc.backend, rc.threads, rc.jit)
     try:
         stage = ReasoningStage(
             model,
@@ -944,7 +943,34 @@ def build_stage(config: AgentConfig, *, contract: bool = True) -> ReasoningStage
         "compiled" if model.jit else f"numpy ({_numpy_reason(rc.jit)})",
     )
     log_contract(stage.prepared.contract)
+    log_selftest(model)
     return stage
+
+
+def load_tested(
+    where: Path | None, backend: str | None, threads: int, jit: bool | None
+) -> LoadedModel:
+    """Load the model in ``where`` (None: the committed default) and run its known-answer
+    self-test (:func:`models.selftest.load_checked`). Raises :class:`SelfTestFailed` when
+    no kernel set gives the known answers, :class:`ReasoningError` when it cannot load.
+    File I/O and a few ms of invokes: call it from a thread once the loop runs."""
+    name = str(where) if where is not None else "the committed default model"
+    try:
+        return load_checked(where, backend=backend, threads=threads, jit=jit)
+    except KnownAnswersFailed as exc:
+        raise SelfTestFailed(f"reasoning: {name} is not served: {exc}") from None
+    except ModelError as exc:
+        raise ReasoningError(f"reasoning: cannot load {name}: {exc}") from None
+
+
+def log_selftest(model: object) -> None:
+    """The self-test's verdict for the model now serving, one line (WARNING when it fell
+    back to the builtin kernels or had no known answers)."""
+    result = getattr(model, "selftest", None)
+    if not isinstance(result, SelfTest):
+        return
+    worse = result.fallback is not None or result.result != "passed"
+    log.log(logging.WARNING if worse else logging.INFO, "reasoning: %s", result.line())
 
 
 def describe(d: Decision) -> str:

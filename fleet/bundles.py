@@ -91,7 +91,30 @@ def _model_payloads(model_dir: Path) -> list[tuple[str, bytes]]:
         raise BundleError(
             f"{model_dir}: manifest.json says sha256 {want[:12]}; the model file is {got[:12]}"
         )
+    if isinstance(card, dict) and "known_answers" not in card:
+        payloads[1] = ("model.json", _with_known_answers(card, payloads[0][1]))
     return payloads
+
+
+def _with_known_answers(card: dict[str, Any], tflite: bytes) -> bytes:
+    """A card for a model trained elsewhere, without ``known_answers``: its golden windows
+    run here, on this build machine's LiteRT (both kernel sets), and recorded, so that the
+    device's self-test (models.selftest) has something to compare with."""
+    # The model runtime (numpy, LiteRT) only for this: the fleet's other commands start fast.
+    from models import known_answers, selftest  # noqa: PLC0415
+    from models.errors import ModelError  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="efb-model-") as tmp:
+        d = Path(tmp)
+        name = Path(str(card.get("file", "model.tflite"))).name
+        (d / name).write_bytes(tflite)
+        (d / "manifest.json").write_text(json.dumps(card), encoding="utf-8")
+        try:
+            answers = selftest.record(d)
+        except ModelError as exc:
+            raise BundleError(f"cannot record the model's known answers here: {exc}") from None
+    card = {**card, known_answers.KEY: answers.describe()}
+    return (json.dumps(card, indent=2, allow_nan=False) + "\n").encode("utf-8")
 
 
 # --- reading a bundle --------------------------------------------------------------------

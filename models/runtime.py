@@ -82,6 +82,7 @@ from models.kernels import (
     kernels,
     unavailable_reason,
 )
+from models.known_answers import KnownAnswers
 from models.native_log import runtime_stderr_to_log
 
 DEFAULT_MODEL_DIR: Final = Path(__file__).resolve().parent / "motor_drive"
@@ -118,6 +119,7 @@ _KNOWN_KEYS = frozenset(
         "metrics",
         "latency_us",
         "description",
+        "known_answers",
     }
 )
 
@@ -172,6 +174,9 @@ class ModelManifest:
     latency_us: Mapping[str, Any]
     acquisition: Acquisition | None = None
     input_stats: InputStats | None = None
+    #: Golden windows and their exact int8 outputs (:mod:`models.known_answers`); None for
+    #: a manifest without them (the self-test then reports ``absent``).
+    known_answers: KnownAnswers | None = None
 
     @classmethod
     def from_json(cls, data: object, *, source: str = MANIFEST_NAME) -> ModelManifest:
@@ -371,6 +376,16 @@ def _parse_manifest(data: object, source: str) -> ModelManifest:  # noqa: PLR091
             if "input_stats" in training
             else None
         )
+        known = (
+            KnownAnswers.from_description(
+                top.data["known_answers"],
+                window=window,
+                signals=len(signals),
+                labels=len(labels),
+            )
+            if "known_answers" in top.data
+            else None
+        )
     except ValueError as exc:
         raise ModelRejected(str(exc), path=source) from None
     return ModelManifest(
@@ -395,6 +410,7 @@ def _parse_manifest(data: object, source: str) -> ModelManifest:  # noqa: PLR091
         latency_us=top.info("latency_us"),
         acquisition=acquisition,
         input_stats=stats,
+        known_answers=known,
     )
 
 
@@ -525,6 +541,7 @@ class LoadedModel:
         "manifest",
         "occlusion_batched",
         "path",
+        "selftest",
         "sha256",
         "threads",
     )
@@ -547,6 +564,9 @@ class LoadedModel:
         self.path = path
         self.threads = threads
         self.delegated = delegated
+        #: What the known-answer self-test found (:class:`models.selftest.SelfTest`), set
+        #: by :func:`models.selftest.load_checked`; None when the model was not tested.
+        self.selftest: Any = None
         self._interp = interpreter
         self._in_index = int(interpreter.get_input_details()[0]["index"])
         self._out_index = int(interpreter.get_output_details()[0]["index"])
@@ -687,6 +707,17 @@ class LoadedModel:
         return cast(
             FloatArray, self._dequant_lut.take(interp.get_tensor(self._out_index).view(np.uint8)[0])
         )
+
+    def predict_int8(self, values: npt.NDArray[Any]) -> Int8Array:
+        """The int8 output ``(n_labels,)`` of :meth:`predict` (same path, a copy): what the
+        known-answer self-test compares (:mod:`models.selftest`)."""
+        self.predict(values)
+        return cast(Int8Array, self._interp.get_tensor(self._out_index)[0].copy())
+
+    @property
+    def kernels(self) -> str:
+        """``xnnpack`` when the delegate took the graph, else ``builtin`` (int8 kernels)."""
+        return "xnnpack" if self.delegated else "builtin"
 
     def _features_into(self, values: npt.NDArray[Any], q: Int8Array) -> None:
         """``q`` = the int8 input of ``values``: compiled when it can be, else numpy."""

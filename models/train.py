@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from models import dataset, input_stats
+from models import dataset, input_stats, known_answers, selftest
 from models.features import FeatureSpec, compute_features
 from models.input_stats import InputStats
 from models.native_log import runtime_stderr_to_log
@@ -860,7 +860,11 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - the train
     }
     manifest = build_manifest(tflite, spec, io, thresholds, extra, variant=variant)
     write_manifest(out_dir, manifest)
+    # The golden windows and their exact outputs on both kernel sets (models.selftest).
+    manifest[known_answers.KEY] = selftest.record(out_dir, fresh=True).describe()
+    write_manifest(out_dir, manifest)
     final = load_model(out_dir, backend="ai_edge_litert")
+    assert final.manifest.known_answers is not None
     assert final.manifest.thresholds == thresholds
     # The reference outputs and the card's metrics describe the default model only.
     if variant.owns_reference and not args.no_reference:

@@ -25,6 +25,8 @@
      ├── ApplyError              the device could not stage or activate a verified bundle
      │    ├── StorageError       writing the store or a slot failed (disk full, I/O)
      │    └── ActivationError    the new version could not be switched in (load, swap)
+     │         └── ModelSelfTestFailed  the model gave wrong answers for its golden
+     │                           windows on every kernel set here: never served
      └── IllegalTransition       an event the journal's state does not accept (a bug, or a
                                  stale command); ``ota.machine.step`` raises it
 
@@ -165,6 +167,17 @@ class ActivationError(ApplyError):
     """The new version could not be switched in (the model or config did not load)."""
 
     code = "activation"
+
+
+class ModelSelfTestFailed(ActivationError):
+    """The bundle's model loaded but failed its known-answer self-test (its manifest's
+    golden windows, :mod:`models.selftest`) on the delegate and on the builtin kernels:
+    refused before probation, the serving model stays. Permanent: the same bundle gives
+    the same wrong answers on this device (a corrupt model, or arithmetic this hardware
+    or runtime gets wrong)."""
+
+    code = "self_test"
+    permanent = True
 
 
 class IllegalTransition(OtaError):

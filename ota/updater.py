@@ -355,7 +355,9 @@ class Updater:
             live = await self.activator.activate(target, self.store)
         except OtaError as exc:
             self._go("activation_failed", reason=str(exc), detail={"code": exc.code})
-            return await self._rollback(str(exc))
+            out = await self._rollback(str(exc))
+            # The outcome keeps why activation failed (e.g. self_test, its own code).
+            return replace(out, code=exc.code) if out.result == "rolled_back" else out
         if not live:
             self._go("activated", detail={"restart": True})
             return Outcome("restart", f"{target.kind} {target.version} needs a restart")
