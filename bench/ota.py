@@ -47,9 +47,9 @@ from typing import Any
 
 from bench.ota_fetch import measure
 from drivers.sim.server import PlantSimulator
+from edge_agent.compose import build_agent
 from edge_agent.config import parse_config
 from edge_agent.rules import Decision
-from edge_agent.service import Agent
 from models.copies import copy_with_new_sha
 from ota import build, keys
 from ota.machine import Journal
@@ -166,7 +166,7 @@ async def agent_run(k: Keys, swaps: int) -> dict[str, Any]:
         decisions.append(d)
         decided_at.append(time.monotonic())
 
-    agent = Agent(cfg, on_decision=on_decision)
+    agent = build_agent(cfg, on_decision=on_decision)
     assert agent.ota is not None
     ota = agent.ota
     lateness: list[tuple[float, float, int]] = []  # (monotonic, lateness s, queue drops)
@@ -205,7 +205,7 @@ async def agent_run(k: Keys, swaps: int) -> dict[str, Any]:
                 out = await ota.install_file(b)
                 assert out.result == "committed", out
                 swap_us.append(agent.last_swap_ns / 1000)
-                new_shas.append(agent._model_sha256())
+                new_shas.append(agent.model_sha256())
             bad_dir = copy_with_new_sha(tmp / "bad", "bad")
             bad = k.bundle_file(
                 tmp / "bad.efb",

@@ -137,7 +137,7 @@ def run(n: int) -> dict[str, Any]:
                 if json.loads(body).get("bundle_id") == r.bundle_id:
                     statuses += 1
             offers = sum(d.attempts for d in r.devices.values())
-            serving = {a._model_sha256() for a in agents.values()}
+            serving = {a.model_sha256() for a in agents.values()}
             store.close()
         finally:
             loop, stop = stop_box[0]

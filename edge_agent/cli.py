@@ -244,7 +244,8 @@ async def _run(
     anomalies: Sequence[Anomaly] = (),
     dashboard: bool = False,
 ) -> dict[str, object]:
-    from edge_agent.service import Agent, run_until_signalled  # noqa: PLC0415
+    from edge_agent.compose import build_agent  # noqa: PLC0415
+    from edge_agent.service import run_until_signalled  # noqa: PLC0415
 
     dash: Dashboard | None = None
 
@@ -252,7 +253,7 @@ async def _run(
         if dash is not None:
             dash.on_decision(d)
 
-    agent = Agent(cfg, on_decision=on_decision if dashboard else None)
+    agent = build_agent(cfg, on_decision=on_decision if dashboard else None)
     async with contextlib.AsyncExitStack() as stack:
         if simulate:
             from drivers.sim.server import PlantSimulator  # noqa: PLC0415

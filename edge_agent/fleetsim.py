@@ -23,10 +23,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from edge_agent.agent_status import RunReport
+from edge_agent.compose import build_parts
 from edge_agent.config import AgentConfig, parse_config
 from edge_agent.perception import Window
 from edge_agent.rules import Decision
-from edge_agent.service import Agent, RunReport
+from edge_agent.service import Agent
 from edge_agent.simwindows import plant_windows
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -83,10 +85,11 @@ class SimAgent(Agent):
         seed: int = 3,
         on_decision: Callable[[Decision], None] | None = None,
     ) -> None:
-        # Before the agent is built: its OTA policy asks windows_per_s().
         self.window_hz = window_hz
         self.seed = seed
-        super().__init__(config, on_decision=on_decision)
+        # Its OTA probation counts on the simulated window rate, not the config's.
+        parts = build_parts(config, windows_per_s=window_hz)
+        super().__init__(parts, on_decision=on_decision)
 
     def windows_per_s(self) -> float:
         return self.window_hz

@@ -30,16 +30,16 @@ import os
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from edge_agent import __version__
 from edge_agent.acquisition import contract_check
 from edge_agent.config import parse_config
 from edge_agent.errors import AgentError, ConfigError, ReasoningError, SelfTestFailed
-from edge_agent.ota_config import OtaSection, ota_dir
+from edge_agent.ota_config import ota_dir
 from edge_agent.probe import parse_probe
 from firmware.boot import ENV_SLOT, parse_slot_env
 from firmware.errors import RollbackUnavailable
@@ -58,9 +58,11 @@ from wire import OtaStatusMsg, WireError, decode_command
 
 if TYPE_CHECKING:
     from edge_agent.config import AgentConfig
+    from edge_agent.perception import Window
+    from edge_agent.probe import Probe, ProbeResult
     from edge_agent.reasoning import PreparedModel, ReasoningStage, Scorer
     from edge_agent.rules import Decision
-    from edge_agent.service import Agent
+    from edge_agent.uplink.publisher import Uplink
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +79,45 @@ def _model_dir_name(tflite_sha: str, meta_sha: str) -> str:
     return f"{tflite_sha[:16]}-{meta_sha[:16]}"
 
 
+class AgentPort(Protocol):
+    """What :class:`AgentOta` uses of the agent it updates (``edge_agent.service.Agent``
+    implements it): its config (a config bundle replaces it), the serving stage and model,
+    the latest window and a probe through every stage for probation, the uplink for status
+    reports, and a restart for agent builds."""
+
+    config: AgentConfig
+    clock_ns: Callable[[], int]
+
+    @property
+    def stage(self) -> ReasoningStage | None: ...
+    @property
+    def uplink(self) -> Uplink | None: ...
+    @property
+    def stage_errors(self) -> Mapping[str, int]: ...
+    @property
+    def signals(self) -> Sequence[str]: ...
+    @property
+    def api_port(self) -> int | None: ...
+    def windows_per_s(self) -> float: ...
+    def last_window(self) -> Window | None: ...
+    def model_sha256(self) -> str: ...
+    def rss_bytes(self) -> int | None: ...
+    def probe(self, probe: Probe) -> ProbeResult: ...
+    async def reload_model(self, model_dir: Path | None = None) -> Scorer: ...
+    def request_restart(self, why: str) -> None: ...
+
+
 class AgentOta:
     """The agent's side of OTA: an :class:`ota.updater.Activator` plus the wiring."""
 
-    def __init__(self, agent: Agent, section: OtaSection) -> None:
-        self.agent = agent
+    def __init__(
+        self, config: AgentConfig, *, windows_per_s: float, clock_ns: Callable[[], int]
+    ) -> None:
+        self._agent: AgentPort | None = None
+        section = config.ota
         self.section = section
-        self.dir = ota_dir(agent.config.state_dir)
-        cfg = agent.config
+        self.dir = ota_dir(config.state_dir)
+        cfg = config
         self.updater = Updater(
             self.dir,
             policy=Policy(
@@ -92,12 +125,12 @@ class AgentOta:
                 agent_version=__version__,
                 permissions=frozenset(section.permissions),
                 max_bundle_bytes=section.max_bundle_mb * 1024 * 1024,
-                windows_per_s=agent.windows_per_s(),
+                windows_per_s=windows_per_s,
                 model_check=self._model_check,
             ),
             activator=self,
             on_transition=self._on_transition,
-            clock=agent.clock_ns,
+            clock=clock_ns,
             fetch=self._fetch,
         )
         self.updater.load()
@@ -121,7 +154,17 @@ class AgentOta:
         #: The sha of the model that came with the image, once known (see Agent).
         self.factory_sha = ""
         #: The config file as the agent started with it: what a config rollback returns to.
-        self._factory_config = agent.config
+        self._factory_config = config
+
+    def attach(self, agent: AgentPort) -> None:
+        """The agent this OTA updates, once it is built (before :meth:`start`)."""
+        self._agent = agent
+
+    @property
+    def agent(self) -> AgentPort:
+        if self._agent is None:
+            raise RuntimeError("AgentOta is not attached to an agent yet")
+        return self._agent
 
     def _model_check(self, manifest: bytes) -> str:
         """Why an offered model must not be staged here ("" if it may): its input contract
@@ -234,7 +277,7 @@ class AgentOta:
             return True
         if target.kind == "config":
             await self._swap_config(await self._bundle_config(target, store))
-            self._target_sha = self.agent._model_sha256()
+            self._target_sha = self.agent.model_sha256()
             return True
         if target.kind == "agent":
             await asyncio.to_thread(self._install_agent, target, store)
@@ -396,7 +439,7 @@ class AgentOta:
         self._runs = self._windows = 0
         self._errors0 = self.agent.stage_errors.get("reasoning", 0)
         if not self._target_sha:
-            self._target_sha = self.agent._model_sha256()
+            self._target_sha = self.agent.model_sha256()
         self._observing = True
 
     def on_decision(self, d: Decision) -> None:
@@ -423,7 +466,7 @@ class AgentOta:
 
     async def health(self) -> bool:
         """The health API answers a probe through every stage (in-process when it is off)."""
-        last = self.agent.report.last_window
+        last = self.agent.last_window()
         if last is None:
             return False
         row = {s: float(v) for s, v in zip(last.signals, last.values[-1], strict=True)}
@@ -464,7 +507,7 @@ class AgentOta:
     def _prune(self, j: Journal) -> None:
         """Forget models nothing can come back to: only the live, the kept and the factory
         ones stay in memory and under ``ota/models``."""
-        keep = j.payloads_in_use() | {self.factory_sha, self.agent._model_sha256()}
+        keep = j.payloads_in_use() | {self.factory_sha, self.agent.model_sha256()}
         prefixes = {s[:16] for s in keep}
         for key in list(self._retired):
             if key != FACTORY and not set(key.split("-")) <= prefixes:

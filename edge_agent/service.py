@@ -37,30 +37,26 @@ import os
 import signal
 import sys
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from drivers.backoff import backoff_delay
 from drivers.buffer import SampleBuffer
 from drivers.errors import DriverError
-from drivers.source import Source, open_source
-from edge_agent import __version__
+from drivers.source import Source
 from edge_agent.acquisition import contract_check
+from edge_agent.agent_status import AgentReporting, RunReport, SourceHealth
 from edge_agent.api import HealthApi
 from edge_agent.config import AgentConfig
 from edge_agent.errors import ModelMismatch, ReasoningError, SelfTestFailed, ServiceError
-from edge_agent.gates import GateScheduler, uplink_priority
+from edge_agent.gates import GateScheduler
 from edge_agent.gcl import STAGES
 from edge_agent.health_report import log_contract, report_notices, state_health
-from edge_agent.memory.stage import MemoryStage
 from edge_agent.metrics import AgentMetrics
-from edge_agent.ota import AgentOta
+from edge_agent.parts import AgentParts
 from edge_agent.perception import Aligner, Window
 from edge_agent.probe import Probe, ProbeResult, run_probe
 from edge_agent.reasoning import (
@@ -68,11 +64,9 @@ from edge_agent.reasoning import (
     PreparedModel,
     ReasoningStage,
     Scorer,
-    percentiles,
 )
 from edge_agent.rules import Decision
 from edge_agent.sdnotify import Notifier, watchdog_interval_s, watchdog_loop
-from edge_agent.statepaths import prepare_state_paths
 from edge_agent.uplink.publisher import Uplink
 from edge_agent.uplink.telemetry import (
     Aggregate,
@@ -105,35 +99,6 @@ READY_GRACE_S = 10.0
 
 
 @dataclass(slots=True)
-class SourceHealth:
-    """What the agent knows about one source beyond its own counters."""
-
-    restarts: int = 0
-    last_error: str = ""
-    running: bool = False
-
-
-@dataclass(slots=True)
-class RunReport:
-    """Totals at the end of a run (and what the periodic log line is made of)."""
-
-    windows: int = 0
-    samples: int = 0
-    decisions: int = 0
-    alarms_raised: int = 0
-    perception_overruns: int = 0
-    memory_overruns: int = 0
-    completeness_sum: float = 0.0
-    max_jitter_ms: float = 0.0
-    last_window: Window | None = None
-    sources: dict[str, SourceHealth] = field(default_factory=dict)
-
-    @property
-    def mean_completeness(self) -> float:
-        return self.completeness_sum / self.windows if self.windows else 0.0
-
-
-@dataclass(slots=True)
 class _InFlight:
     """A window between stages, with what the stages before measured."""
 
@@ -142,50 +107,37 @@ class _InFlight:
     memory_ms: float = 0.0
 
 
-class Agent:
+class Agent(AgentReporting):
     """Wires the configured sources through the stages and keeps them running.
 
     A source that fails is logged and restarted with jittered backoff; it never takes the
     agent or the other sources down. ``on_window`` (optional) sees every window, e.g. the
     demo printing them; ``on_decision`` every decision.
 
-    With ``[reasoning] enabled`` (the default) the model is loaded here, before anything
-    runs: a model that cannot be loaded or does not fit the config raises
-    :class:`ReasoningError`, which is fatal at start (the CLI prints it and exits). So is
-    :class:`StatePathError`: the state folders are checked and created first.
+    Built by :func:`edge_agent.compose.build_agent` from a config: ``parts`` are its
+    collaborators (stage, memory, sources, OTA, uplink), already made and checked.
     ``notifier`` is systemd's (default: from ``NOTIFY_SOCKET``, a no-op without it).
     """
 
     def __init__(
         self,
-        config: AgentConfig,
+        parts: AgentParts,
         *,
         clock_ns: Callable[[], int] = time.time_ns,
         on_window: Callable[[Window], None] | None = None,
         on_decision: Callable[[Decision], None] | None = None,
         notifier: Notifier | None = None,
     ) -> None:
-        prepare_state_paths(config)
+        config = parts.config
         self.config = config
         self.clock_ns = clock_ns
         self.started_mono = time.monotonic()
         self.buffer = SampleBuffer(config.queue_size)
         self.aligner = Aligner(config.perception)
-        self.ota: AgentOta | None = AgentOta(self, config.ota) if config.ota.enabled else None
-        self.stage = self._build_stage() if config.reasoning.enabled else None
-        # Opening the store (lock, integrity check, migrations) happens in run().
-        self.memory = (
-            MemoryStage(
-                config.memory,
-                config.perception.signals,
-                state_dir=config.state_dir,
-                period_ns=config.perception.period_ns,
-                clock_ns=clock_ns,
-            )
-            if config.memory.enabled
-            else None
-        )
-        self.sources: list[Source] = [open_source(spec) for spec in config.sources]
+        self.ota = parts.ota
+        self.stage = parts.stage
+        self.memory = parts.memory
+        self.sources: list[Source] = parts.sources
         self.report = RunReport(sources={s.name: SourceHealth() for s in self.sources})
         self.memory_queue: DropOldestQueue[_InFlight] = DropOldestQueue(MEMORY_QUEUE_DEPTH)
         self.reasoning_queue: DropOldestQueue[_InFlight] = DropOldestQueue(REASONING_QUEUE_DEPTH)
@@ -225,69 +177,22 @@ class Agent:
         self.restart_requested: str | None = None
         self._stop: asyncio.Event | None = None
         self.loop_name = "-"
-        self.uplink: Uplink | None = None
-        self.telemetry: TelemetryAggregator | None = None
+        up = parts.uplink
+        self.uplink: Uplink | None = up.uplink if up is not None else None
+        self.telemetry: TelemetryAggregator | None = up.telemetry if up is not None else None
+        self.delta: DeltaEncoder | None = up.delta if up is not None else None
         self._telemetry_batch: list[tuple[Aggregate, bool, Mapping[str, SignalStats]]] = []
-        self.delta: DeltaEncoder | None = None
-        up = config.uplink
-        if up.enabled:
-            signals = config.perception.signals
-            self.uplink = Uplink(
-                up,
-                site=config.agent.site,
-                device=config.agent.device,
-                device_type=config.agent.device_type,
-                agent_version=__version__,
-                state_dir=config.state_dir,
-                model_sha256=self._model_sha256,
-                model_health=self.model_health,
-                priority=self._uplink_priority(),
-                clock_ns=clock_ns,
-                on_command=self._on_command,
-            )
-            self.telemetry = TelemetryAggregator(signals, up.telemetry_period_ms * 1_000_000)
-            if up.delta.enabled:
-                self.delta = DeltaEncoder(
-                    signals,
-                    default_deadband=up.delta.default_deadband,
-                    deadband=up.delta.deadband,
-                    keyframe_every=up.delta.keyframe_every,
-                )
-
-    def _build_stage(self) -> ReasoningStage:
-        """The stage with the model the OTA journal says is live (else the configured one)."""
-        config = self.config
-        ota_model = self.ota.model_dir_at_start() if self.ota is not None else None
-        if ota_model is not None:
-            ota_config = replace(config, reasoning=replace(config.reasoning, model_dir=ota_model))
-            try:
-                stage = build_stage(ota_config)
-            except ReasoningError as exc:
-                log.error("ota: the active OTA model does not load (%s); the factory one runs", exc)
-            else:
-                if self.ota is not None:
-                    self.ota.serving_model = ota_model.name
-                return stage
-        stage = build_stage(config)
         if self.ota is not None:
-            self.ota.factory_sha = stage.model.sha256
-        return stage
+            # Last: OTA acts on the agent only once it is whole.
+            self.ota.attach(self)
 
-    def _on_command(self, name: str, payload: bytes) -> None:
-        if name == "ota" and self.ota is not None:
-            self.ota.on_command(name, payload)
-        else:
-            log.info("command %r ignored (no handler)", name[:128])
-
-    def _model_sha256(self) -> str:
+    def model_sha256(self) -> str:
+        """The serving model's sha256 ("" with reasoning off)."""
         return self.stage.model.sha256 if self.stage is not None else ""
 
-    def _uplink_priority(self) -> int | None:
-        """The ``SO_PRIORITY`` of the schedule's ``uplink`` traffic class, if it has one."""
-        try:
-            return uplink_priority(self.gcl)
-        except KeyError:
-            return None
+    def last_window(self) -> Window | None:
+        """The latest window perception emitted (None before the first)."""
+        return self.report.last_window
 
     @property
     def signals(self) -> Sequence[str]:
@@ -410,12 +315,6 @@ class Agent:
 
     def _watched_stages(self) -> tuple[str, ...]:
         return STAGES
-
-    def sources_up(self) -> dict[str, bool]:
-        """Whether each source runs and reaches what it reads (its own ``up``)."""
-        return {
-            s.name: self.report.sources[s.name].running and _is_up(s.stats()) for s in self.sources
-        }
 
     async def _announce_ready(self) -> None:
         """READY=1 once every source is up (or after :data:`READY_GRACE_S`, saying which not)."""
@@ -671,26 +570,6 @@ class Agent:
         code = {done: 200, "restart": 202, "busy": 409}.get(outcome.result, 422)
         return code, {"result": outcome.result, "reason": outcome.reason, "code": outcome.code}
 
-    def health_status(self) -> str:
-        """``ok``, or ``degraded`` when a source is down, reasoning degraded, the model's
-        inputs out of distribution or its alarms a storm, or a stage failing."""
-        if not all(self.sources_up().values()):
-            return "degraded"
-        if self.stage is not None and self.stage.breaker.mode != "full":
-            return "degraded"
-        if self.stage is not None and (
-            self.stage.health.ood.active or self.stage.health.storm.active
-        ):
-            return "degraded"  # the model's verdicts cannot be trusted (edge_agent.ood)
-        if self.uplink is not None and not self.uplink.stats().get("connected"):
-            return "degraded"
-        if any(
-            self.report.sources[s.name].last_error and not self.report.sources[s.name].running
-            for s in self.sources
-        ):
-            return "degraded"
-        return "ok"
-
     async def reload_model(self, model_dir: Path | None = None) -> Scorer:
         """Load, check and serve the model in ``model_dir`` (default: the configured one).
 
@@ -730,176 +609,6 @@ class Agent:
         return old
 
     # -- reporting --------------------------------------------------------------------------
-
-    async def _log_stats(self) -> None:
-        interval = self.config.agent.stats_interval_s
-        while True:
-            await asyncio.sleep(interval)
-            self._log_line()
-
-    def _log_line(self, *, final: bool = False) -> None:
-        if not log.isEnabledFor(logging.INFO):
-            return  # the percentiles below cost ms on the loop; nobody would read them
-        now = time.monotonic()
-        elapsed = now - self._last_time if self._last_time else self.config.agent.stats_interval_s
-        rate = (self.report.windows - self._last_windows) / max(elapsed, 1e-9)
-        self._last_windows, self._last_time = self.report.windows, now
-        st = self.aligner.stats
-        w = self.report.last_window
-        log.info(
-            "%swindows=%d (%.2f/s) completeness=%.3f jitter_ms=%.2f samples=%d "
-            "drops: buffer=%d late=%d unknown_signal=%d skipped_windows=%d | %s",
-            "final: " if final else "",
-            self.report.windows,
-            rate,
-            w.completeness if w is not None else 0.0,
-            w.max_jitter_ms if w is not None else 0.0,
-            self.report.samples,
-            self.buffer.dropped,
-            st.late_dropped,
-            st.unknown_signal,
-            st.windows_skipped,
-            "; ".join(f"{s.name}: {_brief(s.stats())}" for s in self.sources),
-        )
-        if self.stage is not None:
-            snap = self.stage.snapshot()
-            lat = snap["latency_us"]
-            assert isinstance(lat, dict)
-            log.info(
-                "reasoning: decisions=%d labels=%s alarms=%s mode=%s queue_drops=%d p99_us=%.0f",
-                self.report.decisions,
-                snap["labels"],
-                ",".join(self.stage.tracker.active()) or "-",
-                self.stage.breaker.mode,
-                self.reasoning_queue.dropped + self.memory_queue.dropped,
-                lat["reasoning"]["p99"],
-            )
-        g = self.scheduler.snapshot()
-        log.info(
-            "gates: e2e_p99_us=%.0f %s",
-            percentiles(self.e2e_us)["p99"],
-            " ".join(
-                f"{name}:late_p99_us={e['lateness_us']['p99']:.0f},missed={e['missed']}"
-                for name, e in g.get("entries", {}).items()
-                if e.get("openings")
-            )
-            + " overruns="
-            + ",".join(f"{k}:{v['overruns']}" for k, v in g.get("stages", {}).items()),
-        )
-        if self.memory is not None:
-            ms = self.memory.stats()
-            log.info(
-                "memory: windows=%d rows=%d keyframes=%d decisions=%d dropped_windows=%d "
-                "snapshots=%d last_snapshot=%s",
-                ms["windows"],
-                ms["rows"],
-                ms["keyframes"],
-                ms["decisions"],
-                ms["dropped_windows"],
-                ms["snapshots"]["taken"],
-                ms["snapshots"]["last"] or "-",
-            )
-        if w is not None:
-            means = None
-            if not np.isnan(w.values).all():
-                with warnings.catch_warnings():
-                    # A signal never seen (all NaN) shows as nan; numpy would warn about it.
-                    warnings.simplefilter("ignore", RuntimeWarning)
-                    means = np.nanmean(w.values, axis=0)
-            if means is not None:
-                log.info(
-                    "last window %s: %s",
-                    w.seq,
-                    " ".join(
-                        f"{name}={m:.2f}{'(stale)' if stale else ''}"
-                        for name, m, stale in zip(w.signals, means, w.stale, strict=True)
-                    ),
-                )
-
-    def _source_status(self, source: Source, up: bool) -> dict[str, object]:
-        """A source's counters, ``up`` and ``restarts``; ``last_error`` is why it failed
-        while it waits to be restarted, else the driver's latest fault (else the last
-        failure, once it runs again)."""
-        stats = dict(source.stats())
-        health = self.report.sources[source.name]
-        own = stats.get("last_error")
-        crashed = bool(health.last_error) and not health.running
-        last_error = health.last_error if crashed or not own else own
-        return {**stats, "up": up, "restarts": health.restarts, "last_error": last_error}
-
-    def status(self) -> dict[str, Any]:
-        """A JSON-ready snapshot: versions, model, sources, stages, queues, gates, latencies."""
-        st = self.aligner.stats
-        reasoning: dict[str, object] = {"enabled": self.stage is not None}
-        if self.stage is not None:
-            reasoning.update(self.stage.snapshot())
-        up = self.sources_up()
-        latency: dict[str, object] = {
-            "e2e": percentiles(self.e2e_us),
-            "memory": percentiles(self.memory_us),
-        }
-        if self.stage is not None:
-            lat = self.stage.stats
-            latency["perception"] = percentiles(lat.perception_us)
-            latency["reasoning"] = percentiles(lat.reasoning_us)
-        return {
-            "agent": {
-                "device": self.config.agent.device,
-                "site": self.config.agent.site,
-                "device_type": self.config.agent.device_type,
-                "version": __version__,
-                "loop": self.loop_name,
-                "pid": os.getpid(),
-                "uptime_s": round(time.monotonic() - self.started_mono, 3),
-                "ready_s": None if self.ready_s is None else round(self.ready_s, 3),
-                "health": self.health_status(),
-            },
-            "windows": self.report.windows,
-            "mean_completeness": round(self.report.mean_completeness, 4),
-            "max_jitter_ms": round(self.report.max_jitter_ms, 3),
-            "samples": self.report.samples,
-            "buffer": {
-                "depth": len(self.buffer),
-                "max": self.buffer.maxlen,
-                "dropped": self.buffer.dropped,
-                "high_water": self.buffer.high_water,
-            },
-            "perception": {
-                "late_dropped": st.late_dropped,
-                "unknown_signal": st.unknown_signal,
-                "non_finite": st.non_finite,
-                "windows_skipped": st.windows_skipped,
-                "clock_steps": st.clock_steps,
-                "budget_overruns": self.report.perception_overruns,
-            },
-            "queues": {
-                name: {
-                    "depth": len(q),
-                    "max": q.maxlen,
-                    "dropped": q.dropped,
-                    "high_water": q.high_water,
-                }
-                for name, q in (("memory", self.memory_queue), ("reasoning", self.reasoning_queue))
-            },
-            "stages": {
-                stage: {"gate_runs": self.progress[stage], "errors": self.stage_errors[stage]}
-                for stage in STAGES
-            },
-            "reasoning": reasoning,
-            "memory": self.memory.stats() if self.memory is not None else {"enabled": False},
-            "gates": self.scheduler.snapshot(),
-            "uplink": self.uplink.stats() if self.uplink is not None else {"enabled": False},
-            "ota": self.ota.status() if self.ota is not None else {"enabled": False},
-            "restart_requested": self.restart_requested,
-            "latency_us": latency,
-            "sources": {s.name: self._source_status(s, up[s.name]) for s in self.sources},
-        }
-
-
-def _is_up(stats: Mapping[str, int | float | str]) -> bool:
-    """The source's own verdict (``up``, see :class:`drivers.source.Source`): a bus open, a
-    unit answering. Data that came in earlier does not count: the device may be gone."""
-    return stats.get("up") == 1
 
 
 def _numpy_reason(jit: bool | None) -> str:
@@ -995,20 +704,6 @@ def describe(d: Decision) -> str:
         f"ms=p{lat['perception']:.3f}/m{lat['memory']:.3f}/r{lat['reasoning']:.3f}"
     )
     return " ".join(parts)
-
-
-def _brief(stats: Mapping[str, int | float | str]) -> str:
-    keys = (
-        "up",
-        "state",
-        "frames",
-        "replies",
-        "samples",
-        "timeouts",
-        "reconnects",
-        "unknown_frames",
-    )
-    return " ".join(f"{k}={stats[k]}" for k in keys if k in stats)
 
 
 async def run_until_signalled(

@@ -26,9 +26,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from drivers.sim.server import PlantSimulator
+from edge_agent.compose import build_agent
 from edge_agent.config import AgentConfig, parse_config
 from edge_agent.sdnotify import Notifier
-from edge_agent.service import Agent
 from models import LoadedModel, ModelManifest
 from tests.support.agent import Datagrams, example_text, notify_socket
 from tests.support.ports import free_port
@@ -168,7 +168,7 @@ def test_watchdog_stops_while_a_stage_hangs_or_fails_and_resumes(
     marks: dict[str, float] = {}
 
     async def main(notes: Datagrams) -> dict[str, Any]:
-        agent = Agent(cfg)
+        agent = build_agent(cfg)
         assert agent.stage is not None
         model = GatedModel(agent.stage.model)  # type: ignore[arg-type]
         agent.stage.swap_model(model)
@@ -226,7 +226,7 @@ def test_slow_reasoning_counts_overruns_and_drops_and_loses_no_window_silently()
     decided: list[int] = []
 
     async def main() -> dict[str, Any]:
-        agent = Agent(cfg, on_decision=lambda d: decided.append(d.window_seq))
+        agent = build_agent(cfg, on_decision=lambda d: decided.append(d.window_seq))
         assert agent.stage is not None
         model = GatedModel(agent.stage.model)  # type: ignore[arg-type]
         slow = SlowPredict(model, delay_s=0.015)
@@ -266,7 +266,7 @@ def test_health_api_on_a_running_agent() -> None:
     cfg = hop_config(port, channel, hop=16)
 
     async def main() -> tuple[dict[str, Any], dict[str, Any], str, dict[str, Any]]:
-        agent = Agent(cfg)
+        agent = build_agent(cfg)
         stop = asyncio.Event()
         async with PlantSimulator(seed=3, modbus_port=port, can_channel=channel):
             task = asyncio.create_task(agent.run(stop))
@@ -341,7 +341,7 @@ def test_a_crashing_task_still_drains_into_the_outbox(
     text = text.replace("telemetry_period_ms = 1000 ", "telemetry_period_ms = 3600000 ")
     cfg = parse_config(text, base_dir=ROOT / "examples")
     assert cfg.uplink.enabled
-    agent = Agent(cfg, notifier=NotifierBreaking(after_s=2.0))
+    agent = build_agent(cfg, notifier=NotifierBreaking(after_s=2.0))
     assert agent.uplink is not None
     outbox = agent.uplink.outbox.path
 

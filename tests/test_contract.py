@@ -22,10 +22,10 @@ from typer.testing import CliRunner
 
 from edge_agent.acquisition import config_acquisition, contract_check, contract_report
 from edge_agent.cli import app
+from edge_agent.compose import build_agent
 from edge_agent.config import load_config, parse_config
 from edge_agent.errors import ModelMismatch
 from edge_agent.reasoning import ReasoningStage
-from edge_agent.service import Agent
 from edge_agent.simwindows import plant_windows
 from models import DEFAULT_MODEL_DIR, load_model
 from models.acquisition import Acquisition, SignalAcquisition
@@ -253,7 +253,7 @@ def test_accept_mismatch_marks_every_decision_and_warns_once(
 ) -> None:
     cfg = load_config(modbus_only(tmp_path, 100, 'acquisition = "accept-mismatch"'))
     with caplog.at_level(logging.WARNING):
-        agent = Agent(cfg)
+        agent = build_agent(cfg)
     assert agent.stage is not None
     warned = [r for r in caplog.records if "accept-mismatch" in r.getMessage()]
     assert len(warned) == 1
@@ -298,7 +298,7 @@ def test_a_hot_swap_to_a_model_trained_for_another_acquisition_is_refused(
 ) -> None:
     cfg = example_config(free_port(), "unused")
     other = _manifest_claiming(tmp_path / "slow-current", period_ms=100.0)
-    agent = Agent(cfg)
+    agent = build_agent(cfg)
     assert agent.stage is not None
     serving = agent.stage.model
 
@@ -328,7 +328,7 @@ def test_an_ota_model_whose_contract_the_device_cannot_meet_is_refused_before_st
     bundle = signer.bundle(
         tmp_path / "m.efb", [(tflite_name, tflite), ("model.json", bad_json)], version="1.1.0"
     )
-    agent = Agent(cfg)
+    agent = build_agent(cfg)
     assert agent.ota is not None
     store = agent.ota.updater.store
     # What goes out on .../ota/status: each transition with its reason and detail.
@@ -369,7 +369,7 @@ def test_a_config_bundle_cannot_switch_the_contract_check_live(tmp_path: Path) -
         text.replace('acquisition = "check"', 'acquisition = "accept-mismatch"'),
         base_dir=tmp_path,
     )
-    agent = Agent(cfg)
+    agent = build_agent(cfg)
     assert agent.ota is not None
     with pytest.raises(ActivationError, match=r"reasoning\.acquisition, which need a restart"):
         asyncio.run(agent.ota._swap_config(new))

@@ -22,6 +22,7 @@ from rich.segment import Segment
 
 from drivers.sim.plant import Anomaly, parse_anomaly
 from drivers.sim.server import PlantSimulator
+from edge_agent.compose import build_agent
 from edge_agent.dashboard import (
     CATCH_GRACE_S,
     QUIET_AFTER_NS,
@@ -34,7 +35,6 @@ from edge_agent.dashboard import (
 from edge_agent.gcl import EntrySection, GateControlList, ScheduleSection
 from edge_agent.reasoning import ReasoningStage
 from edge_agent.rules import Decision, RuleSet
-from edge_agent.service import Agent
 from edge_agent.simwindows import T0_NS, plant_windows
 from models import LoadedModel, load_model
 from tests.support.agent import example_config
@@ -115,7 +115,7 @@ def live() -> LiveRun:
             assert dash is not None
             dash.on_decision(d)
 
-        agent = Agent(cfg, on_decision=on_decision)
+        agent = build_agent(cfg, on_decision=on_decision)
         dash = Dashboard(
             cfg.agent.device, model_description(agent.status()), [], 3.0, console=console
         )

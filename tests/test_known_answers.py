@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from edge_agent.compose import build_agent
 from edge_agent.errors import SelfTestFailed
 from edge_agent.metrics import AgentMetrics
-from edge_agent.service import Agent
 from fleet.bundles import source_payloads
 from models import DEFAULT_MODEL_DIR, load_model
 from models.errors import ModelRejected
@@ -306,7 +306,7 @@ def test_selftest_command_and_agent_start_refuse_a_corrupted_model(tmp_path: Pat
 
 def test_agent_status_metrics_and_log_say_what_serves(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="edge_agent.service"):
-        agent = Agent(example_config(free_port(), "ka-status"))
+        agent = build_agent(example_config(free_port(), "ka-status"))
     assert any(
         "self-test passed: 16 golden windows exact on ai_edge_litert/xnnpack" in r.message
         for r in caplog.records
@@ -326,7 +326,7 @@ def test_agent_status_metrics_and_log_say_what_serves(caplog: pytest.LogCaptureF
 
 
 def test_hot_swap_tests_off_the_loop_and_keeps_the_old_model(tmp_path: Path) -> None:
-    agent = Agent(example_config(free_port(), "ka-swap"))
+    agent = build_agent(example_config(free_port(), "ka-swap"))
     assert agent.stage is not None
     serving = agent.stage.model
     bad = corrupted_model(tmp_path / "bad")
@@ -361,7 +361,7 @@ def test_ota_model_failing_its_known_answers_is_refused_before_probation(
         ("model.json", (bad / "manifest.json").read_bytes()),
     ]
     bundle = signer.bundle(tmp_path / "bad.efb", members, version="1.1.0")
-    agent = Agent(cfg)
+    agent = build_agent(cfg)
     assert agent.ota is not None
     assert agent.stage is not None
     serving = agent.stage.model

@@ -18,6 +18,7 @@ import pytest
 
 from drivers.sim.plant import Anomaly
 from drivers.sim.server import PlantSimulator
+from edge_agent.compose import build_agent
 from edge_agent.config import parse_config
 from edge_agent.memory.store import MemoryStore
 from edge_agent.ood import (
@@ -33,7 +34,6 @@ from edge_agent.ood import (
 from edge_agent.perception import Window
 from edge_agent.reasoning import ReasoningStage
 from edge_agent.rules import Decision, RuleSet
-from edge_agent.service import Agent
 from edge_agent.simwindows import T0_NS, plant_windows
 from fleet.ingest import IngestConfig, IngestWorker
 from fleet.store import open_store
@@ -249,7 +249,7 @@ def test_the_agent_reports_ood_in_status_metrics_memory_and_state(model: LoadedM
     short = HealthSpec(ood_horizon_s=3.0, storm_horizon_s=3.0)
 
     async def main() -> dict[str, object]:
-        agent = Agent(cfg, on_decision=decisions.append)
+        agent = build_agent(cfg, on_decision=decisions.append)
         assert agent.stage is not None
         agent.stage.health_spec = short
         agent.stage.health = agent.stage.new_health()
@@ -349,7 +349,7 @@ def test_the_fleet_device_record_follows_the_model_health(tmp_path: Path) -> Non
         try:
 
             async def main() -> None:
-                agent = Agent(cfg)
+                agent = build_agent(cfg)
                 assert agent.stage is not None
                 agent.stage.health_spec = HealthSpec(ood_horizon_s=3.0, storm_horizon_s=3.0)
                 agent.stage.health = agent.stage.new_health()

@@ -155,7 +155,7 @@ def test_restart_during_probation_rolls_back_to_one_consistent_version(tmp_path:
             lambda: agent.ota is not None and agent.ota.updater.journal.state == "probation"
         )
         task.cancel()  # the process "dies" here: the journal says probation, new model live
-        return agent._model_sha256()
+        return agent.model_sha256()
 
     live, _, _ = run_agent(cfg, port, channel, scenario)
     assert live == new_sha

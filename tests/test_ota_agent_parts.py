@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from edge_agent.compose import build_agent
 from edge_agent.config import load_config
 from edge_agent.ota import _health_url
 from edge_agent.service import Agent
@@ -46,7 +47,7 @@ def test_a_bundle_changing_only_model_json_serves_its_own_manifest(tmp_path: Pat
         version="1.2.0",
         counter=3,
     )
-    agent = Agent(cfg)
+    agent = build_agent(cfg)
     assert agent.ota is not None
     assert agent.stage is not None
     store = agent.ota.updater.store
@@ -89,7 +90,7 @@ def test_a_rollback_brings_back_the_manifest_it_names_when_models_share_a_tflite
         )
         for i, drift in ((1, 0.91), (2, 0.93))
     ]
-    agent = Agent(cfg)
+    agent = build_agent(cfg)
     assert agent.ota is not None
     assert agent.stage is not None
     factory = agent.stage.model

@@ -106,9 +106,9 @@ def test_the_agent_reports_a_full_disk_and_keeps_serving(
 
     async def scenario(agent: Agent) -> object:
         assert agent.ota is not None
-        sha = agent._model_sha256()
+        sha = agent.model_sha256()
         out = await agent.ota.install_file(big)
-        return out, sha, agent._model_sha256()
+        return out, sha, agent.model_sha256()
 
     (outcome, before, after), _, status = run_agent(cfg, port, channel, scenario)
     assert outcome.result == "failed"

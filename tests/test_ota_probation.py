@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from edge_agent.compose import build_agent
 from edge_agent.config import load_config
 from edge_agent.fleetsim import SimAgent, sim_config
-from edge_agent.service import Agent
 from ota import build
 from ota.errors import ProbationUnreachable
 from ota.manifest import Probation
@@ -100,9 +100,9 @@ def test_the_agent_refuses_it_up_front_and_swaps_nothing(tmp_path: Path) -> None
     cfg, _, _ = ota_config(tmp_path, signer)
     members, _ = model_members(tmp_path, "p")
     bundle = signer.bundle(tmp_path / "m.efb", members, probation={"seconds": 3})
-    agent = Agent(cfg)
+    agent = build_agent(cfg)
     assert agent.ota is not None
-    serving = agent._model_sha256()
+    serving = agent.model_sha256()
 
     outcome = asyncio.run(agent.ota.install_file(bundle))
     assert (outcome.result, outcome.code) == ("failed", "probation_unreachable")
@@ -112,7 +112,7 @@ def test_the_agent_refuses_it_up_front_and_swaps_nothing(tmp_path: Path) -> None
     assert up.journal.last.result == "failed"  # refused, not rolled back
     assert "model" not in up.journal.active
     assert not list(up.store.bundles.iterdir()), "nothing staged"
-    assert agent._model_sha256() == serving
+    assert agent.model_sha256() == serving
 
 
 def test_a_simulated_agent_offers_its_own_window_rate(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from edge_agent.compose import build_agent
 from edge_agent.config import AgentConfig, load_config
 from edge_agent.service import Agent
 from firmware.boot import ENV_SLOT, slot_env
@@ -81,7 +82,7 @@ def test_an_offer_over_the_size_limit_is_refused_before_a_byte_is_fetched(
     cfg = _config(tmp_path, signer, "max_bundle_mb = 512", "max_bundle_mb = 1")
     (tmp_path / "art").mkdir()
     sha = publish(tmp_path / "art", _bundle(signer, tmp_path, "big", 2))
-    agent = Agent(cfg)
+    agent = build_agent(cfg)
     assert agent.ota is not None
     up = agent.ota.updater
 
@@ -107,7 +108,7 @@ def test_a_refused_download_leaves_nothing_to_resume(tmp_path: Path) -> None:
     (tmp_path / "art").mkdir()
     path = _bundle(stranger, tmp_path, "unsigned", 2)  # signed by a key the root lacks
     sha = publish(tmp_path / "art", path)
-    agent = Agent(cfg)
+    agent = build_agent(cfg)
     assert agent.ota is not None
     up = agent.ota.updater
 
@@ -125,7 +126,7 @@ def test_a_refused_download_leaves_nothing_to_resume(tmp_path: Path) -> None:
 def test_the_journal_and_the_status_carry_the_url_without_its_secrets(tmp_path: Path) -> None:
     signer = Signer()
     cfg = _config(tmp_path, signer)
-    agent = Agent(cfg)
+    agent = build_agent(cfg)
     assert agent.ota is not None
     up = agent.ota.updater
     # A peer that takes the connection and never answers: the offer stays in "fetching".
@@ -217,7 +218,7 @@ def test_a_manual_rollback_whose_kept_version_is_damaged_records_the_factory_mod
     journal = Journal(active={"model": v3}, kept={"model": (v2, v1)}, floors={"model": 3})
     ota_journal.save(cfg.state_dir / "ota" / "journal.json", journal)
 
-    agent = Agent(cfg)  # boots with v3 live, as after a restart
+    agent = build_agent(cfg)  # boots with v3 live, as after a restart
     assert agent.ota is not None
     assert agent.stage is not None
     assert agent.stage.model.sha256 == v3.payloads["model.tflite"]
@@ -254,10 +255,10 @@ def test_a_damaged_journal_keeps_the_floors_and_an_older_bundle_is_refused_as_a_
     cfg, _, _ = ota_config(tmp_path, signer)
     path = _committed_v3(tmp_path, signer, cfg)
     older = _bundle(signer, tmp_path, "v2", 2)  # signed, unexpired, below the floor
-    Agent(cfg)  # a start with the journal intact: its floors go to floors.json too
+    build_agent(cfg)  # a start with the journal intact: its floors go to floors.json too
     path.write_bytes(b'{"format": 1, "state": "idl')  # torn by a bad flash block
 
-    agent = Agent(cfg)
+    agent = build_agent(cfg)
     assert agent.ota is not None
     up = agent.ota.updater
     out = asyncio.run(up.install_file(older))
@@ -280,7 +281,7 @@ def test_a_damaged_floors_file_is_rewritten_from_the_journal(tmp_path: Path) -> 
     floors = ota_journal.floors_path(path)
     floors.write_bytes(b"\x00\x00garbage")
 
-    agent = Agent(cfg)
+    agent = build_agent(cfg)
     assert agent.ota is not None
     up = agent.ota.updater
     assert up.journal.floors == {"model": 3}
@@ -310,14 +311,14 @@ def test_with_journal_and_floors_both_unreadable_every_install_is_refused(
     signer = Signer()
     cfg, _, _ = ota_config(tmp_path, signer)
     path = _committed_v3(tmp_path, signer, cfg)
-    Agent(cfg)
+    build_agent(cfg)
     floors = ota_journal.floors_path(path)
     path.write_bytes(b"not json")
     floors.write_bytes(b"[]")
     newer = _bundle(signer, tmp_path, "v5", 5)  # a fine upgrade, and still refused
 
     for _ in range(2):  # the refusal survives a restart: nothing was reset or rewritten
-        agent = Agent(cfg)  # the agent itself starts and serves (the factory model)
+        agent = build_agent(cfg)  # the agent itself starts and serves (the factory model)
         assert agent.ota is not None
         assert agent.stage is not None
         assert agent.stage.model.sha256 == load_model(cfg.reasoning.model_dir).sha256
@@ -337,7 +338,7 @@ def test_with_journal_and_floors_both_unreadable_every_install_is_refused(
 
     # The operator writes the floors back: installs resume, above them.
     floors.write_text(json.dumps({"format": 1, "floors": {"model": 3}}))
-    agent = Agent(cfg)
+    agent = build_agent(cfg)
     assert agent.ota is not None
     up = agent.ota.updater
     assert (up.refused, up.journal.floors) == ("", {"model": 3})
@@ -377,7 +378,7 @@ def test_an_interrupted_agent_commit_is_rolled_back_when_the_old_build_runs(
     before = slots.state_path.read_bytes()
     monkeypatch.setenv(ENV_SLOT, slot_env("a", slots.load()))
 
-    agent = Agent(cfg)  # the old build, started by the launcher from slot a
+    agent = build_agent(cfg)  # the old build, started by the launcher from slot a
     assert agent.ota is not None
     asyncio.run(agent.ota.start())
 

@@ -90,7 +90,7 @@ def test_abort_mid_wave_rolls_back_the_devices_in_flight(tmp_path: Path, broker:
         wait_for(in_probation, 60, "wave 1 in probation")
         r = f.rollout(rid)
         wave1 = list(r.waves[0])
-        wait_for(lambda: all(f.agents[n]._model_sha256() == new_sha for n in wave1), 30,
+        wait_for(lambda: all(f.agents[n].model_sha256() == new_sha for n in wave1), 30,
                  "the new model live on wave 1")  # fmt: skip
         st = f.store()
         try:

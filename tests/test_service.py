@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 from drivers.sim.plant import parse_anomaly
 from drivers.sim.server import PlantSimulator
 from edge_agent.cli import app
+from edge_agent.compose import build_agent
 from edge_agent.errors import ModelMismatch, ReasoningError
 from edge_agent.perception import Window
 from edge_agent.rules import Decision
-from edge_agent.service import Agent
 from models import load_model
 from models.copies import copy_with_new_sha
 from tests.support.agent import EXAMPLES, example_config, example_text
@@ -31,7 +31,7 @@ def test_agent_turns_simulated_plant_into_complete_windows() -> None:
     seen: list[Window] = []
 
     async def main() -> dict[str, object]:
-        agent = Agent(cfg, on_window=seen.append)
+        agent = build_agent(cfg, on_window=seen.append)
         stop = asyncio.Event()
         async with PlantSimulator(seed=3, modbus_port=port, can_channel=channel):
             loop = asyncio.get_running_loop()
@@ -81,7 +81,7 @@ def run_agent_with_anomaly(
     decisions: list[Decision] = []
 
     async def main() -> dict[str, object]:
-        agent = Agent(cfg, on_window=windows.append, on_decision=decisions.append)
+        agent = build_agent(cfg, on_window=windows.append, on_decision=decisions.append)
         stop = asyncio.Event()
         async with PlantSimulator(
             seed=3,
@@ -165,7 +165,7 @@ def test_reload_model_swaps_between_windows(tmp_path: Path) -> None:
     errors: list[str] = []
 
     async def main() -> None:
-        agent = Agent(cfg, on_decision=decisions.append)
+        agent = build_agent(cfg, on_decision=decisions.append)
         stop = asyncio.Event()
 
         async def swap_later() -> None:
@@ -204,13 +204,13 @@ def test_a_model_that_cannot_load_is_fatal_at_start(tmp_path: Path) -> None:
         cfg, reasoning=dataclasses.replace(cfg.reasoning, model_dir=tmp_path / "nope")
     )
     with pytest.raises(ReasoningError, match=r"reasoning: cannot load .*nope.*manifest"):
-        Agent(missing)
+        build_agent(missing)
     # A model that loads but does not fit the perception grid is a config error.
     short = dataclasses.replace(
         cfg, perception=dataclasses.replace(cfg.perception, window=32, hop=32)
     )
     with pytest.raises(ModelMismatch, match="does not fit this config"):
-        Agent(short)
+        build_agent(short)
 
 
 def test_a_dead_modbus_port_does_not_stop_can() -> None:
@@ -219,7 +219,7 @@ def test_a_dead_modbus_port_does_not_stop_can() -> None:
     seen: list[Window] = []
 
     async def main() -> dict[str, object]:
-        agent = Agent(cfg, on_window=seen.append)
+        agent = build_agent(cfg, on_window=seen.append)
         stop = asyncio.Event()
         # CAN only: nothing listens on the Modbus port.
         async with PlantSimulator(seed=3, modbus_port=None, can_channel=channel):

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from drivers.specs import RegisterSpec
 from edge_agent import service
+from edge_agent.compose import build_agent
 from edge_agent.config import parse_config
 from edge_agent.dashboard import source_state
 from edge_agent.sdnotify import Notifier
@@ -90,7 +91,7 @@ def agent_for(
         text += CAN.format(dbc=ROOT / "drivers/sim/motor_drive.dbc")
     # READY/STATUS go to the test's socket (tests.test_agent_service.notify_socket).
     notifier = Notifier(str(tmp_path / "notify.sock") if notify else None)
-    return Agent(parse_config(text, base_dir=tmp_path), notifier=notifier)
+    return build_agent(parse_config(text, base_dir=tmp_path), notifier=notifier)
 
 
 @contextlib.asynccontextmanager

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from drivers.sim.server import PlantSimulator
+from edge_agent.compose import build_agent
 from edge_agent.config import parse_config
-from edge_agent.service import Agent
 from edge_agent.uplink.telemetry import Reconstructor, periods_of
 from fleet.ingest import IngestConfig, IngestWorker
 from fleet.store import open_store
@@ -51,7 +51,7 @@ def test_agent_to_broker_to_fleet_store_with_seq_continuity(tmp_path: Path) -> N
         try:
 
             async def main() -> dict[str, object]:
-                agent = Agent(cfg)
+                agent = build_agent(cfg)
                 stop = asyncio.Event()
                 async with PlantSimulator(seed=3, modbus_port=port, can_channel=channel):
                     asyncio.get_running_loop().call_later(4.0, stop.set)

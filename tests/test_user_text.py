@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 from drivers.sim.server import PlantSimulator
 from edge_agent.cli import app as agent_app
+from edge_agent.compose import build_agent
 from edge_agent.config import parse_config
-from edge_agent.service import Agent
 from fleet.cli import app as fleet_app
 from tests.support.agent import example_text
 from tests.support.ports import free_port
@@ -100,7 +100,7 @@ def test_readme_status_annotations_and_one_counter_name_match_a_running_agent(
     caplog.set_level(logging.INFO, logger="edge_agent.service")
 
     async def main() -> tuple[dict[str, Any], str]:
-        agent = Agent(cfg)
+        agent = build_agent(cfg)
         stop = asyncio.Event()
         async with PlantSimulator(seed=3, modbus_port=port, can_channel=channel):
             task = asyncio.create_task(agent.run(stop))

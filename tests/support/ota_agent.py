@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from drivers.sim.server import PlantSimulator
+from edge_agent.compose import build_agent
 from edge_agent.config import AgentConfig, load_config
 from edge_agent.rules import Decision
 from edge_agent.service import Agent
@@ -55,7 +56,7 @@ def run_agent(
     decisions: list[Decision] = []
 
     async def main() -> tuple[Any, dict[str, Any]]:
-        agent = Agent(cfg, on_decision=decisions.append)
+        agent = build_agent(cfg, on_decision=decisions.append)
         stop = asyncio.Event()
         result: list[Any] = []
 

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from drivers.sim.server import PlantSimulator
+from edge_agent.compose import build_agent
 from edge_agent.config import load_config
 from edge_agent.ota import AgentOta
 from edge_agent.rules import Decision
-from edge_agent.service import Agent
 from fleet.artifacts import ArtifactServer, publish
 from ota.fetch import fetch
 from ota.machine import Journal
@@ -67,7 +67,7 @@ def main(config: Path, port: int, channel: str, bundle: Path | None, kill_at: st
     decisions: list[Decision] = []
 
     async def run() -> dict[str, Any]:
-        agent = Agent(cfg, on_decision=decisions.append)
+        agent = build_agent(cfg, on_decision=decisions.append)
         assert agent.ota is not None
         ota = agent.ota
         report = ota.updater.on_transition
@@ -100,7 +100,7 @@ def main(config: Path, port: int, channel: str, bundle: Path | None, kill_at: st
             await task
         return {
             "state": ota.updater.journal.state,
-            "serving": agent._model_sha256(),
+            "serving": agent.model_sha256(),
             "scored": sorted({d.model_sha256 for d in decisions[-2:]}),
             "status": ota.status(),
         }

@@ -119,7 +119,7 @@ class Fleet:
         return box[0]
 
     def serving(self) -> dict[str, str]:
-        return {name: a._model_sha256() for name, a in self.agents.items()}
+        return {name: a.model_sha256() for name, a in self.agents.items()}
 
 
 @contextmanager
