@@ -1,71 +1,13 @@
 """The reasoning stage: window -> INT8 model -> masks -> hysteresis -> attribution -> Decision.
 
-:class:`ReasoningStage` is synchronous and does no I/O: the model's ``invoke()`` takes tens
-of microseconds, so the agent calls :meth:`ReasoningStage.process` inline on the event loop
-(STYLE.md #9). It times itself with ``time.perf_counter_ns`` (injectable) and feeds the time
-to its :class:`~edge_agent.breaker.Breaker`, which decides whether the model runs on the
-next window. Rules, masks and hysteresis live in :mod:`edge_agent.rules`.
-
-Attribution (``Decision.top_signals``)
---------------------------------------
-Only when the verdict is an alarm label do we pay for an explanation: occlusion, one extra
-model run per signal. Signal ``i`` is replaced by a *normal-looking* column and the drop of
-the winning label's probability is its contribution; signals whose replacement does not
-lower it are left out. The model's :class:`models.runtime.LevelOcclusion` does all the
-runs in one batched invoke, reusing the window's int8 input (a feature channel reads one
-signal, so an occluded input is that input with one signal's channels taken from the
-reference's). A scorer without it gets one ``predict()`` per signal. The replacement
-depends on what kind of fault won:
-
-* a *level* fault (``drift``): the signal's normal mean from the manifest, plus noise of
-  its normal step size (its int8 features are computed once per model);
-* any other label (``spike``, ``stuck``, ``noise``: faults of the dynamics): the window's
-  own median of the signal (same operating point), plus noise of its normal step size.
-  Only the level channel of this reference is computed per alarm: its step channels are
-  those of the noise at the normal mean (see ``LevelOcclusion.at``).
-
-Why not a constant "normal mean" column, the textbook occlusion: the model sees step
-differences, and a flat column is exactly what ``stuck`` looks like. Measured on 812
-correctly classified held-out windows of ``models.dataset`` (top-1 = the anomalous signal):
-constant mean 0.24 / 0.21 / 0.16 / 0.02 (noise / spike / drift / stuck); the scheme above
-1.00 / 0.99 / 0.40 / 1.00 (the drift reference alone gets 0.63 / 0.62 / 0.40 / 0.99, the
-median reference alone 1.00 / 0.99 / 0.10 / 1.00). Drift stays the hard one: an offset is
-only visible against the other signals, which occlusion perturbs one at a time.
-
-The "normal step noise" follows the acquisition the model was trained for when its manifest
-records one (``training.acquisition``): a signal polled slower than the grid changes only
-once per poll, by at least its deadband or half its resolution, as it does in training.
-
-Dropout: perception holds a stale signal's last value, and a flat column is what the model
-calls ``stuck``. Before scoring, each held column is replaced the same way (its median plus
-normal step noise): the ``dropout`` rule names the dead signal; the model judges the others.
-A column is held when its signal is stale at the window's end, or was stale at the end of
-the previous window (it came back during this one: the start is still the held value), or
-was not seen yet at the window's start (NaN until its first sample, e.g. right after start).
-
-When no single occlusion lowers the winning score, the cause is joint (several signals
-stuck at once: replacing one still leaves a stuck window). Then the converse runs, one more
-batched invoke (the model's :meth:`~models.runtime.LoadedModel.keep_one_in`; only for a
-model with batched occlusion, another scorer keeps the empty explanation): every signal
-replaced by its reference except one. A signal that alone keeps the label at or above its
-alarm threshold is named, with that probability as its value (``attribution =
-"keep_one"``). Measured once on the simulator (seed 7) with two, three and all six signals
-stuck at once: before, 30 or 31 of the 31 stuck alarms named no signal; with it, every one
-names signals, only stuck ones (and frequency, which follows a stuck speed), all of the
-stuck ones on 29-30 of 31 (tests/test_reasoning.py checks the two- and three-signal cases).
-
-On the ``normal`` path ``top_signals`` is empty (``attribution = "none"``): explanations
-matter for alarms, and the normal path must stay within its ~100 µs budget.
-
-Hot swap
---------
-:meth:`ReasoningStage.prepare` checks a loaded model against the perception signals, the
-window length and the rules, and compiles the rules for its labels; :meth:`ReasoningStage.swap`
-then replaces the serving model with one reference assignment. ``process`` reads that
-reference once per window, so each window is scored entirely by the old model or entirely
-by the new one, and every decision records the sha256 of the model that scored it. Loading
-and checking (file I/O, :class:`~models.errors.ModelRejected`) happen before, outside the
-stage: a model that fails to load never reaches it and the old one keeps serving.
+:class:`ReasoningStage` is synchronous and does no I/O: ``invoke()`` takes tens of
+microseconds, so the agent calls :meth:`ReasoningStage.process` inline on the event loop. It
+times itself (``time.perf_counter_ns``, injectable) and feeds its
+:class:`~edge_agent.breaker.Breaker`. Rules, masks and hysteresis are
+:mod:`edge_agent.rules`. Attribution by occlusion (the references per fault kind and the
+figures that chose them, held columns for dropout, keep-one-in for joint causes) and the
+hot swap (prepare off the loop, one assignment between windows) are explained once in
+``docs/ARCHITECTURE.md``, section "Reasoning".
 """
 
 from __future__ import annotations

@@ -1,43 +1,12 @@
 """Rules over the model's scores: symbolic constraints, alarm hysteresis, the Decision.
 
-Pure code, like perception: values, probabilities and ``now`` come in as arguments; nothing
-here reads a clock, a file or a socket. :mod:`edge_agent.reasoning` runs the model and
-times itself, then hands the numbers to this module.
-
-Constraints (masks over the model's labels)
--------------------------------------------
-A :class:`ConstraintRule` ties one model label to one :class:`Condition` on a window
-statistic of one signal (``temperature.mean < 40``):
-
-* ``exclude``: the label is masked out while the condition holds ("never call it drift while
-  the winding is cold");
-* ``require``: the label is allowed only while the condition holds.
-
-A masked label cannot win and cannot raise an alarm (to the hysteresis it scores 0). A
-statistic of a signal with no finite value in the window is NaN and every comparison with
-NaN is false, so an unknown signal never *excludes* a label but never *satisfies* a
-requirement either: both rules fail towards "not enough evidence".
-
-Built-in rule ``dropout``: perception marks a signal stale when its newest sample is older
-than ``max_staleness_ms``; any stale signal is a ``dropout`` finding naming the signals. It
-needs no model, so it keeps working when the breaker has switched the model off. It goes
-through the same hysteresis as the model's labels.
-
-Hysteresis
-----------
-Each label's alarm is a small state machine driven by one event per window: the label's
-probability is ``above`` its threshold, ``below`` ``threshold - margin``, or in the band
-between (``hold``). The whole machine is the :data:`_TRANSITIONS` table (state, event) ->
-state, in the manner of h11's ``_state.py``; counters turn the ``raising``/``clearing``
-states into ``raised``/``clear`` after ``raise_after``/``clear_after`` consecutive windows::
-
-    clear ──above──> raising ──above x raise_after──> raised ──below──> clearing
-      ^                 │ hold/below: back to clear       ^      above/hold │
-      └──────────────────────────── below x clear_after ──┴─────────────────┘
-
-A score that flaps around the threshold never stays above it long enough to raise, and an
-alarm that is up needs ``clear_after`` quiet windows to clear, so a flapping score causes at
-most one raise and one clear, never a storm.
+Pure code: values, probabilities and ``now`` come in as arguments; nothing here reads a
+clock, a file or a socket. A :class:`ConstraintRule` masks a label (``exclude`` while, or
+``require`` unless, a window statistic holds; NaN never excludes and never satisfies); the
+built-in ``dropout`` rule names stale signals. Each label's alarm is the small state machine
+in :data:`_TRANSITIONS` (clear, raising, raised, clearing; ``raise_after``/``clear_after``
+windows), so a score flapping around its threshold raises and clears at most once. Why and
+how: ``docs/ARCHITECTURE.md``, section "Reasoning".
 """
 
 from __future__ import annotations
