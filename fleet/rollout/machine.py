@@ -1,38 +1,12 @@
 """A rollout as a pure state machine: status reports and the clock in, commands out.
 
 The orchestrator (:mod:`fleet.rollout.orchestrator`) feeds it the devices' ``ota/status``
-reports and calls :func:`tick`; everything it decides is here, so it is tested without a
-broker or a sleep:
-
-- **waves** — devices of wave ``k`` get their offer when wave ``k-1`` passed the success
-  gate: every device of it finished (committed, failed, rolled back or timed out) and at
-  least ``success_gate`` of those that answered committed;
-- **halting** — the rollout halts by itself, offering nothing more, when the failures so far
-  pass ``max_failure`` of the finished devices (once at least ``min_devices`` finished), when
-  a wave misses its gate, or when the **regression check** trips: a committed device whose
-  reasoning P99 grew more than ``p99_regression_pct`` or whose memory grew more than
-  ``memory_regression_pct`` against its own figures before the update (the device reports
-  both). A regressed device is told to roll back, once, also when its commit comes after
-  the rollout halted, completed or was aborted;
-- **retries** — a transient failure (fetch, busy, interrupted) is offered again after an
-  exponential backoff, up to ``max_attempts``; a permanent one (bad signature,
-  incompatible, not permitted, downgrade) never;
-- **timeouts** — a device that has not finished ``device_timeout_s`` after its offer is
-  ``timed_out``: it does not block its wave (a late report still counts). One that never
-  answered the offer, or went quiet while fetching or verifying, is taken for offline and
-  left out of the gate and the threshold; one that went silent once the new version was
-  running (``silent``: last report activating, probation, committing: the update may have
-  killed its agent) counts as a failure for both;
-- **duplicates** — a report is applied only if its ``(boot_id, seq)`` is newer than the last
-  one applied for that device (a new boot id starts a new order; a report from a boot the
-  device has left is old, and so is one from a boot never seen whose ``t_ns`` is older than
-  the last report applied); replays and duplicates change nothing;
-- **old reports** — a report the fleet received before this rollout's latest offer to the
-  device is about something else (an earlier rollout of the same bundle, or the attempt
-  before a retry, judged already) and is ignored;
-- **pause / resume / abort** — pause holds new offers and retries; abort also sends
-  rollback to every device still in flight, and so does a halt (the devices installing the
-  bundle that tripped it stop).
+reports (:func:`on_status`) and the time (:func:`tick`); everything it decides is here, so
+it is tested without a broker or a sleep: waves and their success gate, the failure
+threshold, the regression check, retries of transient failures, timeouts (offline vs
+silent devices), dedupe on ``(boot_id, seq)``, reports older than the latest offer, pause,
+resume and abort (a halt, like an abort, rolls back the devices in flight). The rules and
+why: ``docs/ARCHITECTURE.md``, section "Rollouts".
 """
 
 from __future__ import annotations
