@@ -125,8 +125,13 @@ def test_recording_again_reproduces_the_committed_known_answers(model_dir: Path)
     assert again["inputs_float32_le_b64"] == committed["inputs_float32_le_b64"]
     assert again["outputs"] == committed["outputs"]
     fresh = record(model_dir, fresh=True).describe()
-    assert fresh["inputs_float32_le_b64"] == committed["inputs_float32_le_b64"]
-    assert fresh["outputs"] == {MACHINE: committed["outputs"][MACHINE]}
+    assert list(fresh["outputs"]) == [MACHINE]
+    if MACHINE == "x86_64":
+        # Where they were made: new golden inputs come out the same bytes. (Elsewhere the
+        # plant simulation's float math may round differently: hence record() keeps the
+        # committed inputs by default.)
+        assert fresh["inputs_float32_le_b64"] == committed["inputs_float32_le_b64"]
+        assert fresh["outputs"] == {MACHINE: committed["outputs"][MACHINE]}
 
 
 def test_the_two_kernel_sets_differ_by_what_the_tolerance_rule_says() -> None:
