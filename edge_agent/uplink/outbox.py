@@ -1,35 +1,12 @@
 """The durable outbox every uplink data message passes through, and the boot session.
 
-A message gets its ``(boot_id, seq)`` when it enters the outbox and keeps them: after a
-restart the old boot's rows are replayed with their original numbers, so the fleet's
-idempotent ingest on ``(device, boot_id, seq)`` sees one stream per boot, gap-free unless
-this outbox dropped something (and then the drop is counted here and visible there as a gap).
-
-Durability: SQLite in WAL mode with ``synchronous=NORMAL``. A committed row survives the
-process being killed (kill -9, OOM); a power cut may lose the last commits before a WAL
-checkpoint, which is the trade the memory store makes too. Each :meth:`Outbox.put` is one
-short transaction with no fsync (tens of µs), so the agent calls it inline on the event loop.
-
-Size policy (``bytes`` = payload + topic length):
-
-* while the total is over ``max_bytes``, telemetry rows are deleted oldest-first (the newest
-  telemetry says more about the plant than the oldest);
-* decisions and OTA status rows are kept beyond ``max_bytes``, up to the hard cap
-  ``max_bytes + reserve_bytes``; over that, the oldest rows of any kind go;
-* a message bigger than its own cap (``max_bytes`` for telemetry, the hard cap for the
-  rest) is refused before it is stored, and the backlog is left alone.
-
-A file SQLite says is not a database (or malformed) at start is moved aside to
-``<name>.corrupt-<stamp>`` (with its -wal/-shm), logged at ERROR and counted
-(``corrupt_recoveries``), and the outbox starts empty, as the memory store does.
-
-Every drop is counted per kind (:meth:`Outbox.stats`). Rows are sent in ``id`` order, which
-keeps the order per topic (and across topics) as produced.
-
-The ``boots`` table keeps how many seqs each boot numbered (updated in the same transaction
-as each row) until the uplink has told the fleet the previous boots' final count
-(:meth:`Outbox.previous_boots`): after a crash, that is how the fleet learns the tail of a
-boot it may never have received.
+A message gets its ``(boot_id, seq)`` when it enters the outbox and keeps them, so a replay
+after a restart keeps its numbers and the fleet's idempotent ingest sees one gap-free stream
+per boot. SQLite WAL (``synchronous=NORMAL``), one short transaction per put, inline on the
+loop. Bounded by bytes (telemetry goes first; decisions and OTA status have a reserve),
+every drop counted per kind (:meth:`Outbox.stats`); a corrupt file is moved aside; the
+``boots`` table keeps each boot's final count for the epitaph. The policy and why:
+``docs/ARCHITECTURE.md``, section "Uplink and fleet ingest".
 """
 
 from __future__ import annotations
