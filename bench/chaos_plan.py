@@ -1,0 +1,253 @@
+"""The chaos benchmark's pure parts: the seeded fault schedule and the accounting of what the
+devices sent against what the store holds and what the fleet reported missing. No I/O: data
+and times in, results out (``bench.chaos`` does the processes, the broker and the store).
+
+Definitions (the same in ``bench.chaos`` and docs/ARCHITECTURE.md):
+
+- ``sent``: distinct ``(device, boot_id, seq)`` the devices' outboxes numbered. The outbox
+  numbers a boot's data messages gap-free from 0 in the transaction that stores each row,
+  so a boot that numbered ``n`` created seqs ``0..n-1``; at the end every device has
+  drained (outbox empty: each of them acked by the broker), so sent = created = acked.
+- ``stored``: distinct sent keys in the store's ``messages`` table after the drain.
+- ``lost``: ``sent - stored``.
+- ``duplicate_rows``: rows beyond one per ``(device, boot_id, seq)``.
+- ``gaps_reported``: ranges the fleet reported missing: the ``ingest_gaps`` rows ``fleet
+  serve`` logged while it ran, plus what ``fleet gaps`` reads from the store at the end.
+- ``false_gaps``: reported ranges that cover a seq that IS stored at the end, or one the
+  device never numbered (beyond its boot's count, or a boot no device had).
+- ``recovery_s`` of a fault: from the moment it was injected until a message of the
+  devices it touched (all of them, but for a device-host kill: that host's) is stored
+  again (``received_ns`` of the store's rows); ``max_recovery_s`` is the largest.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+#: Every kind of fault the schedule throws (each at least once in a schedule that has room).
+BROKER_KILL = "broker_kill"
+WORKER_KILL = "worker_kill"
+SERVE_KILL = "serve_kill"
+DEVICE_KILL = "device_kill"
+WORKERS_CHANGE = "workers_change"
+FAULT_KINDS = (BROKER_KILL, WORKER_KILL, SERVE_KILL, DEVICE_KILL, WORKERS_CHANGE)
+
+#: Worker counts ``fleet serve`` starts with and changes to.
+START_WORKERS = 2
+CHANGED_WORKERS = (1, 3)
+
+_NS = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault at ``at_s`` seconds into the chaos phase.
+
+    ``target``: the worker index (``worker_kill``), the device host (``device_kill``) or the
+    new worker count (``workers_change``); 0 otherwise. ``down_s``: how long what was
+    killed stays down before the bench starts it again (the broker, ``fleet serve``, the
+    device host); a killed worker is started again by ``fleet serve`` itself."""
+
+    at_s: float
+    kind: str
+    target: int = 0
+    down_s: float = 0.0
+
+
+def schedule(
+    seed: int,
+    duration_s: float,
+    *,
+    hosts: int,
+    every_s: float = 20.0,
+    settle_s: float = 15.0,
+) -> list[Fault]:
+    """The faults of one run: one every ``every_s`` on average (jittered by a third), none
+    in the first ``settle_s`` nor in the last ``settle_s`` (the fleet must be storing
+    before the first and the last must leave time to recover within the phase). Kinds
+    are drawn in shuffled rounds of all of :data:`FAULT_KINDS`, so a schedule of at least
+    ``len(FAULT_KINDS)`` faults exercises each. The worker count changes between 1, 2
+    and 3 (never to the count it has); a worker kill targets a worker that exists.
+    Deterministic for a seed."""
+    if hosts < 1:
+        raise ValueError(f"hosts must be at least 1, got {hosts}")
+    rng = random.Random(seed)
+    span = duration_s - 2 * settle_s
+    n = max(len(FAULT_KINDS), int(span // every_s)) if span > 0 else 0
+    if n == 0:
+        return []
+    step = span / n
+    kinds: list[str] = []
+    while len(kinds) < n:
+        round_ = list(FAULT_KINDS)
+        rng.shuffle(round_)
+        kinds += round_
+    out: list[Fault] = []
+    workers = START_WORKERS
+    for i, kind in enumerate(kinds[:n]):
+        at = settle_s + i * step + rng.uniform(0, step / 3)
+        target, down = 0, 0.0
+        if kind == WORKER_KILL:
+            target = rng.randrange(workers)
+        elif kind == DEVICE_KILL:
+            target = rng.randrange(hosts)
+            down = round(rng.uniform(1.0, 4.0), 2)
+        elif kind == WORKERS_CHANGE:
+            target = rng.choice(sorted({*CHANGED_WORKERS, START_WORKERS} - {workers}))
+            workers = target
+        elif kind in (BROKER_KILL, SERVE_KILL):
+            down = round(rng.uniform(1.0, 5.0), 2)
+        out.append(Fault(round(at, 2), kind, target, down))
+    return out
+
+
+def kinds_of(faults: Iterable[Fault]) -> dict[str, int]:
+    """Faults by kind (every kind present, zero if it never came)."""
+    out = dict.fromkeys(FAULT_KINDS, 0)
+    for f in faults:
+        out[f.kind] += 1
+    return out
+
+
+@dataclass(frozen=True)
+class GapRange:
+    device: str
+    boot_id: str
+    first: int
+    last: int
+
+
+@dataclass
+class Tally:
+    """What one store's run came to (see the module docstring for each figure)."""
+
+    devices: int
+    sent: int
+    stored: int
+    lost: int
+    duplicate_rows: int
+    gaps_reported: int
+    false_gaps: int
+    #: Stored keys no device numbered (a bug or a forged device: never expected).
+    unexpected: int
+    #: Lost keys, a few of them, for the report: ``device/boot[:8]/first-last``.
+    lost_examples: list[str] = field(default_factory=list)
+    false_examples: list[str] = field(default_factory=list)
+
+
+def _runs(seqs: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ints as (first, last) runs."""
+    out: list[tuple[int, int]] = []
+    for s in seqs:
+        if out and s == out[-1][1] + 1:
+            out[-1] = (out[-1][0], s)
+        else:
+            out.append((s, s))
+    return out
+
+
+def tally(
+    numbered: Mapping[tuple[str, str], int],
+    rows: Iterable[tuple[str, str, int]],
+    gaps: Iterable[GapRange],
+    *,
+    devices: int,
+    examples: int = 5,
+) -> Tally:
+    """Compare what the devices numbered (``(device, boot_id) -> count``) with the store's
+    rows (``(device, boot_id, seq)``, one per row, duplicates included) and the ranges
+    the fleet reported missing."""
+    stored: dict[tuple[str, str], set[int]] = {}
+    total_rows = 0
+    for device, boot, seq in rows:
+        total_rows += 1
+        stored.setdefault((device, boot), set()).add(seq)
+    distinct = sum(len(s) for s in stored.values())
+    sent = sum(numbered.values())
+    kept = 0
+    unexpected = 0
+    lost_examples: list[str] = []
+    for key, seqs in stored.items():
+        n = numbered.get(key, 0)
+        inside = sum(1 for s in seqs if 0 <= s < n)
+        kept += inside
+        unexpected += len(seqs) - inside
+    for key, n in sorted(numbered.items()):
+        have = stored.get(key, set())
+        missing = [s for s in range(n) if s not in have]
+        for first, last in _runs(missing):
+            if len(lost_examples) < examples:
+                lost_examples.append(f"{key[0]}/{key[1][:8]}/{first}-{last}")
+    ordered = {k: sorted(v) for k, v in stored.items()}
+    reported = 0
+    false = 0
+    false_examples: list[str] = []
+    for g in gaps:
+        reported += 1
+        key = (g.device, g.boot_id)
+        have_sorted = ordered.get(key, [])
+        i = bisect.bisect_left(have_sorted, g.first)
+        covers_stored = i < len(have_sorted) and have_sorted[i] <= g.last
+        never_numbered = key not in numbered or g.last >= numbered[key] or g.first < 0
+        if covers_stored or never_numbered:
+            false += 1
+            if len(false_examples) < examples:
+                why = "stored" if covers_stored else "never numbered"
+                false_examples.append(f"{g.device}/{g.boot_id[:8]}/{g.first}-{g.last} ({why})")
+    return Tally(
+        devices=devices,
+        sent=sent,
+        stored=kept,
+        lost=sent - kept,
+        duplicate_rows=total_rows - distinct,
+        gaps_reported=reported,
+        false_gaps=false,
+        unexpected=unexpected,
+        lost_examples=lost_examples,
+        false_examples=false_examples,
+    )
+
+
+@dataclass(frozen=True)
+class Injected:
+    """A fault as it happened: its kind, when (wall clock, ns) and the devices it touched
+    (None: all of them)."""
+
+    kind: str
+    t_ns: int
+    devices: frozenset[str] | None = None
+
+
+def recovery_s(
+    faults: Sequence[Injected], arrivals: Mapping[str, Sequence[int]]
+) -> list[float | None]:
+    """For each fault, seconds from its injection until the first message of a device it
+    touched was stored (``arrivals``: each device's sorted ``received_ns``); None if none
+    was stored after it."""
+    everyone = sorted(t for ts in arrivals.values() for t in ts)
+    out: list[float | None] = []
+    for f in faults:
+        if f.devices is None:
+            candidates = [everyone]
+        else:
+            candidates = [list(arrivals.get(d, ())) for d in sorted(f.devices)]
+        first: int | None = None
+        for ts in candidates:
+            i = bisect.bisect_right(ts, f.t_ns)
+            if i < len(ts) and (first is None or ts[i] < first):
+                first = ts[i]
+        out.append(None if first is None else (first - f.t_ns) / _NS)
+    return out
+
+
+def worst(values: Iterable[float | None]) -> float | None:
+    """The largest recovery (None: one never recovered, which is the worst)."""
+    best: float | None = 0.0
+    for v in values:
+        if v is None:
+            return None
+        best = max(best or 0.0, v)
+    return best
