@@ -61,6 +61,7 @@ from bench.chaos_plan import (
     BROKER_KILL,
     DEVICE_KILL,
     FAULT_KINDS,
+    OUTAGE_BROKER_KILL,
     SERVE_KILL,
     START_WORKERS,
     WORKER_KILL,
@@ -357,6 +358,13 @@ def inject(
     elif fault.kind == WORKERS_CHANGE:
         serve.stop()
         state["serve"] = start_serve(fault.target)
+    elif fault.kind == OUTAGE_BROKER_KILL:
+        serve.kill_all()
+        time.sleep(fault.down_s)  # the broker queues (and acks) for the ingest's sessions
+        broker.kill()
+        time.sleep(1.0)
+        broker.start()
+        state["serve"] = start_serve(serve.workers)
     return Injected(fault.kind, t_ns, touched)
 
 
@@ -380,7 +388,7 @@ def run_store(kind: str, args: argparse.Namespace, ca_dir: Path, tls: Path, devi
                                 "state_root": str(work / "devices"), "hosts": names,
                                 "rate": args.rate}))  # fmt: skip
     plan = schedule(args.seed, args.duration, hosts=per, every_s=args.every,
-                    settle_s=min(15.0, args.duration / 6))  # fmt: skip
+                    settle_s=min(15.0, args.duration / 6), kinds=args.kinds)  # fmt: skip
     ledger = Ledger()
     serve_log = (work / "serve.log").open("a")
     hosts_log = (work / "devices.log").open("a")
@@ -438,7 +446,7 @@ def run_store(kind: str, args: argparse.Namespace, ca_dir: Path, tls: Path, devi
             serve_log.close()
             hosts_log.close()
         result = account(url, ledger, injected, len(devices))
-    result["faults"] = kinds_of(plan)
+    result["faults"] = kinds_of(plan, args.kinds)
     result["drained"] = drained
     result["seconds"] = round(time.monotonic() - started, 1)
     result["broker_dropped_lines"] = broker.log().count("Outgoing messages are being dropped")
@@ -503,7 +511,7 @@ def combine(devices: int, per_store: dict[str, dict[str, Any]]) -> dict[str, Any
     faults = dict.fromkeys(FAULT_KINDS, 0)
     for r in per_store.values():
         for k, n in r["faults"].items():
-            faults[k] += n
+            faults[k] = faults.get(k, 0) + n
     out: dict[str, Any] = {"devices": devices, "faults": faults}
     for key in SUMMED:
         out[key] = sum(int(r[key]) for r in per_store.values())
@@ -533,7 +541,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gap-grace", type=float, default=GAP_GRACE_S,
                    help="fleet serve --gap-grace (its default)")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=300.0)
+    p.add_argument("--kinds", default=",".join(FAULT_KINDS),
+                   help=f"fault kinds to draw from (also {OUTAGE_BROKER_KILL}, opt-in: see "
+                        "bench.chaos_plan)")  # fmt: skip
     args = p.parse_args(argv)
+    args.kinds = tuple(k for k in args.kinds.split(",") if k)
+    for k in args.kinds:
+        if k not in (*FAULT_KINDS, OUTAGE_BROKER_KILL):
+            p.error(f"--kinds: unknown fault kind {k!r}")
     args.devices = args.devices or (50 if args.quick else 500)
     args.duration = args.duration or (180.0 if args.quick else 900.0)
     args.stores = [s for s in args.stores.split(",") if s]

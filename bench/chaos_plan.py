@@ -34,6 +34,11 @@ SERVE_KILL = "serve_kill"
 DEVICE_KILL = "device_kill"
 WORKERS_CHANGE = "workers_change"
 FAULT_KINDS = (BROKER_KILL, WORKER_KILL, SERVE_KILL, DEVICE_KILL, WORKERS_CHANGE)
+#: Opt-in (``bench.chaos --kinds ...,broker_kill_in_outage``): ``fleet serve`` SIGKILLed, the broker
+#: queues the devices' messages for its sessions (and acks them) for ``down_s``, then the
+#: broker is SIGKILLed too before both start again. What the broker acked since its last
+#: autosave is gone: this kind measures that risk rather than the fleet's own recovery.
+OUTAGE_BROKER_KILL = "broker_kill_in_outage"
 
 #: Worker counts ``fleet serve`` starts with and changes to.
 START_WORKERS = 2
@@ -64,30 +69,31 @@ def schedule(
     hosts: int,
     every_s: float = 20.0,
     settle_s: float = 15.0,
+    kinds: tuple[str, ...] = FAULT_KINDS,
 ) -> list[Fault]:
     """The faults of one run: one every ``every_s`` on average (jittered by a third), none
     in the first ``settle_s`` nor in the last ``settle_s`` (the fleet must be storing
     before the first and the last must leave time to recover within the phase). Kinds
-    are drawn in shuffled rounds of all of :data:`FAULT_KINDS`, so a schedule of at least
-    ``len(FAULT_KINDS)`` faults exercises each. The worker count changes between 1, 2
+    are drawn in shuffled rounds of all of ``kinds`` (default :data:`FAULT_KINDS`), so a
+    schedule of at least ``len(kinds)`` faults exercises each. The worker count changes between 1, 2
     and 3 (never to the count it has); a worker kill targets a worker that exists.
     Deterministic for a seed."""
     if hosts < 1:
         raise ValueError(f"hosts must be at least 1, got {hosts}")
     rng = random.Random(seed)
     span = duration_s - 2 * settle_s
-    n = max(len(FAULT_KINDS), int(span // every_s)) if span > 0 else 0
+    n = max(len(kinds), int(span // every_s)) if span > 0 else 0
     if n == 0:
         return []
     step = span / n
-    kinds: list[str] = []
-    while len(kinds) < n:
-        round_ = list(FAULT_KINDS)
+    drawn: list[str] = []
+    while len(drawn) < n:
+        round_ = list(kinds)
         rng.shuffle(round_)
-        kinds += round_
+        drawn += round_
     out: list[Fault] = []
     workers = START_WORKERS
-    for i, kind in enumerate(kinds[:n]):
+    for i, kind in enumerate(drawn[:n]):
         at = settle_s + i * step + rng.uniform(0, step / 3)
         target, down = 0, 0.0
         if kind == WORKER_KILL:
@@ -100,13 +106,15 @@ def schedule(
             workers = target
         elif kind in (BROKER_KILL, SERVE_KILL):
             down = round(rng.uniform(1.0, 5.0), 2)
+        elif kind == OUTAGE_BROKER_KILL:
+            down = round(rng.uniform(8.0, 12.0), 2)
         out.append(Fault(round(at, 2), kind, target, down))
     return out
 
 
-def kinds_of(faults: Iterable[Fault]) -> dict[str, int]:
-    """Faults by kind (every kind present, zero if it never came)."""
-    out = dict.fromkeys(FAULT_KINDS, 0)
+def kinds_of(faults: Iterable[Fault], kinds: tuple[str, ...] = FAULT_KINDS) -> dict[str, int]:
+    """Faults by kind (every one of ``kinds`` present, zero if it never came)."""
+    out = dict.fromkeys(kinds, 0)
     for f in faults:
         out[f.kind] += 1
     return out

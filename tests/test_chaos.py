@@ -10,6 +10,7 @@ from bench import chaos
 from bench.chaos_plan import (
     DEVICE_KILL,
     FAULT_KINDS,
+    OUTAGE_BROKER_KILL,
     START_WORKERS,
     WORKER_KILL,
     WORKERS_CHANGE,
@@ -53,6 +54,10 @@ def test_a_short_schedule_still_has_every_kind_and_other_seeds_differ() -> None:
     assert sorted(f.kind for f in plan) == sorted(FAULT_KINDS)
     assert schedule(1, 900, hosts=5) != schedule(2, 900, hosts=5)
     assert schedule(1, 10, hosts=1, settle_s=5) == []
+    extra = schedule(1, 40, hosts=1, settle_s=5, kinds=(*FAULT_KINDS, OUTAGE_BROKER_KILL))
+    assert kinds_of(extra, (*FAULT_KINDS, OUTAGE_BROKER_KILL))[OUTAGE_BROKER_KILL] == 1
+    (outage,) = [f for f in extra if f.kind == OUTAGE_BROKER_KILL]
+    assert 8 <= outage.down_s <= 12
 
 
 def test_tally_counts_lost_duplicate_rows_and_false_gaps() -> None:
