@@ -456,7 +456,8 @@ def run_store(kind: str, args: argparse.Namespace, ca_dir: Path, tls: Path, devi
 def account(url: str, ledger: Ledger, injected: list[Injected], devices: int) -> dict[str, Any]:
     rows = _query(
         url,
-        f"SELECT device, boot_id, seq, received_ns FROM messages WHERE kind IN ({_kinds_sql()})",
+        f"SELECT device, boot_id, seq, t_ns, received_ns FROM messages "
+        f"WHERE kind IN ({_kinds_sql()})",
     )
     logged = [GapRange(*r) for r in _query(url, "SELECT device, boot_id, first_missing, "
                                                 "last_missing FROM ingest_gaps")]  # fmt: skip
@@ -474,11 +475,9 @@ def account(url: str, ledger: Ledger, injected: list[Injected], devices: int) ->
         numbered = dict(ledger.numbered)
     t: Tally = tally(numbered, [(r[0], r[1], int(r[2])) for r in rows], [*logged, *final],
                      devices=devices)  # fmt: skip
-    arrivals: dict[str, list[int]] = {}
+    arrivals: dict[str, list[tuple[int, int]]] = {}
     for r in rows:
-        arrivals.setdefault(r[0], []).append(int(r[3]))
-    for ts in arrivals.values():
-        ts.sort()
+        arrivals.setdefault(r[0], []).append((int(r[3]), int(r[4])))
     recoveries = recovery_s(injected, arrivals)
     by_kind: dict[str, float | None] = {}
     for f, took in zip(injected, recoveries, strict=True):
@@ -540,7 +539,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the broker's autosave_interval (default: broker-config's)")  # fmt: skip
     p.add_argument("--gap-grace", type=float, default=GAP_GRACE_S,
                    help="fleet serve --gap-grace (its default)")  # fmt: skip
-    p.add_argument("--drain-timeout", type=float, default=300.0)
+    p.add_argument("--drain-timeout", type=float, default=600.0)
     p.add_argument("--kinds", default=",".join(FAULT_KINDS),
                    help=f"fault kinds to draw from (also {OUTAGE_BROKER_KILL}, opt-in: see "
                         "bench.chaos_plan)")  # fmt: skip

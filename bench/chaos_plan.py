@@ -15,9 +15,10 @@ Definitions (the same in ``bench.chaos`` and docs/ARCHITECTURE.md):
   serve`` logged while it ran, plus what ``fleet gaps`` reads from the store at the end.
 - ``false_gaps``: reported ranges that cover a seq that IS stored at the end, or one the
   device never numbered (beyond its boot's count, or a boot no device had).
-- ``recovery_s`` of a fault: from the moment it was injected until a message of the
-  devices it touched (all of them, but for a device-host kill: that host's) is stored
-  again (``received_ns`` of the store's rows); ``max_recovery_s`` is the largest.
+- ``recovery_s`` of a fault: from the moment it was injected until the first message
+  created after it (the row's ``t_ns``) by a device it touched (all of them, but for a
+  device-host kill: that host's, i.e. their new boots) is stored (its ``received_ns``);
+  ``max_recovery_s`` is the largest.
 """
 
 from __future__ import annotations
@@ -229,25 +230,41 @@ class Injected:
     devices: frozenset[str] | None = None
 
 
+class _Arrivals:
+    """Rows of some devices by creation time, with the earliest arrival of every suffix: the
+    first message created after ``t`` that was stored, in two lookups."""
+
+    def __init__(self, rows: Iterable[tuple[int, int]]) -> None:
+        ordered = sorted(rows)
+        self.created = [c for c, _ in ordered]
+        self.first_after: list[int] = [0] * len(ordered)
+        low: int | None = None
+        for i in range(len(ordered) - 1, -1, -1):
+            got = ordered[i][1]
+            low = got if low is None else min(low, got)
+            self.first_after[i] = low
+
+    def stored_after(self, t_ns: int) -> int | None:
+        """Earliest ``received_ns`` of a message created after ``t_ns`` (None: none)."""
+        i = bisect.bisect_right(self.created, t_ns)
+        return self.first_after[i] if i < len(self.created) else None
+
+
 def recovery_s(
-    faults: Sequence[Injected], arrivals: Mapping[str, Sequence[int]]
+    faults: Sequence[Injected], rows: Mapping[str, Sequence[tuple[int, int]]]
 ) -> list[float | None]:
-    """For each fault, seconds from its injection until the first message of a device it
-    touched was stored (``arrivals``: each device's sorted ``received_ns``); None if none
-    was stored after it."""
-    everyone = sorted(t for ts in arrivals.values() for t in ts)
+    """For each fault, seconds from its injection until the first message CREATED after it
+    by a device it touched was stored (``rows``: each device's ``(t_ns, received_ns)``, the
+    device's and the fleet's wall clocks on one machine); None if none was. A message made
+    before the fault and delivered after it does not count: it says nothing about whether
+    the path works again."""
+    everyone = _Arrivals(r for rs in rows.values() for r in rs)
+    per = {d: _Arrivals(rs) for d, rs in rows.items()}
     out: list[float | None] = []
     for f in faults:
-        if f.devices is None:
-            candidates = [everyone]
-        else:
-            candidates = [list(arrivals.get(d, ())) for d in sorted(f.devices)]
-        first: int | None = None
-        for ts in candidates:
-            i = bisect.bisect_right(ts, f.t_ns)
-            if i < len(ts) and (first is None or ts[i] < first):
-                first = ts[i]
-        out.append(None if first is None else (first - f.t_ns) / _NS)
+        groups = [everyone] if f.devices is None else [per[d] for d in f.devices if d in per]
+        firsts = [t for g in groups if (t := g.stored_after(f.t_ns)) is not None]
+        out.append((min(firsts) - f.t_ns) / _NS if firsts else None)
     return out
 
 

@@ -84,14 +84,18 @@ def test_tally_counts_lost_duplicate_rows_and_false_gaps() -> None:
     assert (clean.lost, clean.duplicate_rows, clean.false_gaps) == (0, 0, 0)
 
 
-def test_recovery_is_until_a_touched_device_stores_again() -> None:
-    arrivals = {"a": [1 * S, 5 * S, 9 * S], "b": [2 * S, 3 * S]}
+def test_recovery_is_until_a_message_made_after_the_fault_is_stored() -> None:
+    # (created, received) per device
+    rows = {"a": [(1 * S, 2 * S), (4 * S, 8 * S), (6 * S, 7 * S)], "b": [(2 * S, 5 * S)]}
     faults = [
-        Injected("broker_kill", 3 * S),  # anyone's: a at 5
-        Injected("device_kill", 2 * S, frozenset({"b"})),  # b's own: 3
-        Injected("serve_kill", 9 * S),  # nothing after it
+        Injected("broker_kill", 3 * S),  # a's made at 4 and 6: the one at 6 came first (7)
+        Injected("device_kill", 1 * S, frozenset({"b"})),  # b's own, made at 2: stored at 5
+        Injected("serve_kill", 6 * S),  # nothing made after it
+        Injected("worker_kill", 1 * S),  # made at 2 (b, 5), 4 (a, 8), 6 (a, 7): 5
     ]
-    assert recovery_s(faults, arrivals) == [2.0, 1.0, None]
+    assert recovery_s(faults, rows) == [4.0, 4.0, None, 4.0]
+    # b made a message before the kill that arrived after it: not a recovery
+    assert recovery_s([Injected("device_kill", 3 * S, frozenset({"b"}))], rows) == [None]
     assert worst([2.0, 1.0]) == 2.0
     assert worst([2.0, None]) is None
 
