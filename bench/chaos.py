@@ -586,6 +586,9 @@ def run(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    # SIGTERM (or SIGINT, which a shell's background job ignores) ends the run through the
+    # cleanup: the broker, fleet serve and the device hosts are stopped, not left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     summary = run(args, quiet=bool(args.json))
     print(json.dumps(summary), flush=True)
     return 0 if summary["target_met"] else 1
