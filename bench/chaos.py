@@ -320,6 +320,28 @@ def wait_for(pred: Any, timeout: float, step: float = 1.0) -> bool:
     return bool(pred())
 
 
+#: Once every outbox is empty, the store must grow within this long or the rest is lost.
+STALL_S = 60.0
+
+
+def settle(url: str, sent: int, timeout: float) -> bool:
+    """Wait until the store holds ``sent`` messages (True), or has not grown for
+    ``STALL_S`` (the devices have nothing left to send: what is missing is lost), or
+    ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        n = stored_count(url)
+        if n >= sent:
+            return True
+        if n != last:
+            last, since = n, time.monotonic()
+        elif time.monotonic() - since > STALL_S:
+            return False
+        time.sleep(2.0)
+    return False
+
+
 # --- one store's run -----------------------------------------------------------------------
 
 
@@ -427,7 +449,7 @@ def run_store(kind: str, args: argparse.Namespace, ca_dir: Path, tls: Path, devi
                 args.drain_timeout,
             )
             sent = ledger.sent()
-            complete = wait_for(lambda: stored_count(url) >= sent, args.drain_timeout, 2.0)
+            complete = settle(url, sent, args.drain_timeout)
             say(quiet, f"  drained: outboxes empty {drained}, store complete {complete} "
                        f"({time.monotonic() - t_quiet:.0f} s)")  # fmt: skip
             # The ingest's gap audit covers messages received up to now - grace: let it see
