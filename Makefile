@@ -87,6 +87,7 @@ bench: venv
 	$(BIN)/python -m bench.uplink --quick
 	$(BIN)/python -m bench.fleet_ingest --quick
 	$(BIN)/python -m bench.fleet_devices --quick
+	$(BIN)/python -m bench.chaos --quick
 	$(BIN)/python -m bench.ota --quick
 	$(BIN)/python -m bench.ota_fetch --quick
 	$(BIN)/python -m bench.rollout --quick

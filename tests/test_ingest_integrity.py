@@ -9,8 +9,10 @@ dropped for the ingest (gaps, see the second half).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -369,3 +371,54 @@ def test_fleet_gaps_reports_the_tail_of_a_killed_boot_the_broker_dropped(
             "missing": 40 - len(kept),
         }
     ]
+
+
+def test_messages_held_when_a_crashed_broker_comes_back_with_the_session_are_stored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker is SIGKILLed while the worker holds messages it received but has not
+    stored (the store is locked); it comes back from a persistence file saved before they
+    arrived, with the worker's session but without them, so it never resends them. Before,
+    the worker reconnected to a session present and skipped every message of the old
+    connection (it counted on the broker resending them): they were lost, though the device
+    had its PUBACKs. The chaos benchmark found it (``bench.chaos``, broker SIGKILL)."""
+    plain = Mosquitto(tmp_path / "broker")
+    # Saved only when the test says so (SIGTERM): a crash loses what came since.
+    conf = plain.config_text().replace("autosave_interval 1\n", "autosave_interval 3600\n")
+    broker = Mosquitto(tmp_path / "broker", port=plain.port, config=conf)
+    broker.start()
+    caplog.set_level(logging.INFO, logger="fleet.ingest")
+    path = tmp_path / "fleet.db"
+    url = sqlite_url(path) + "?busy_timeout_ms=200"
+    store = opened(url)
+    device, boot, total = "gw-held", boot_id(), 40
+    try:
+        with make_worker(broker, url, "held") as worker:
+            assert worker.wait_ready(10)
+            broker.restart()  # saves the worker's session and subscriptions, nothing else
+            wait_until(lambda: worker.stats.connects >= 2, 30, "the worker back")
+            pub = Publisher(broker.host, broker.port)
+            probe_until_stored(pub, store, state(device, boot, 0), 30)
+            lock = sqlite3.connect(path, isolation_level=None)
+            lock.execute("BEGIN IMMEDIATE")  # the worker receives, and cannot store
+            try:
+                for seq in range(total):
+                    pub.send(telemetry(device, boot, seq))
+                pub.flush()  # the broker has them all: the device would let them go
+                wait_until(lambda: worker.stats.received >= total + 1, 30, "all received")
+                broker.kill()
+                broker.start()
+                wait_until(lambda: worker.stats.connects >= 3, 30, "the worker reconnected")
+            finally:
+                lock.execute("ROLLBACK")
+                lock.close()
+            pub.client.disconnect()
+            pub.client.loop_stop()
+            wait_until(lambda: stored_seqs(store, device) == list(range(total)), 30, "all stored")
+    finally:
+        store.close()
+        broker.stop()
+    # The third connection (after the crash) found the session: nothing was resent.
+    connected = [r.getMessage() for r in caplog.records if " connected to " in r.getMessage()]
+    assert len(connected) >= 3, connected
+    assert connected[2].endswith("(session present: True)"), connected

@@ -24,8 +24,9 @@ packet it parses, only queues raw payloads and sends them on in batches.
 Acks are manual (paho ``manual_ack=True``): a PUBACK leaves only after the transaction that
 holds the message committed, so a crash at any point loses nothing; the broker redelivers
 what was not acked and the store counts the second copy as a duplicate. A mid is only valid
-on its own connection: acks of a lost connection are skipped (and, when the broker resumed
-the session, its unprocessed messages are discarded: the broker resends them all).
+on its own connection: acks of a lost connection are skipped, but its messages still waiting
+are stored: a broker that resumed the session resends them (duplicates), but one SIGKILLed
+and restarted from a persistence file older than them has the session and not them.
 
 The inbox is bounded and the broker's flow control (Receive Maximum = inbox size) keeps it
 from filling with QoS 1 messages. QoS 0 messages (a device that publishes them) are outside

@@ -119,8 +119,10 @@ class IngestStats:
     dropped: int = 0
     #: QoS 0 messages dropped by the full queue: lost (a device sent them at most once).
     dropped_qos0: int = 0
-    #: Unprocessed messages of a lost connection discarded on reconnect (the broker resends).
-    discarded: int = 0
+    #: Messages of a lost connection stored after the reconnect, without a PUBACK (their mids
+    #: died with it): resent as duplicates by a broker that kept them, kept by the store
+    #: when the broker lost them (a crash since its last save).
+    held_over: int = 0
     store_retries: int = 0
     connects: int = 0
     #: Holes found in devices' seqs while running (each logged at WARNING), and the seqs
@@ -146,7 +148,7 @@ class IngestStats:
     def add(self, other: IngestStats) -> None:
         for name in ("received", "stored", "duplicates", "conflicts", "states", "batches"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("acked", "dropped", "dropped_qos0", "discarded", "store_retries", "connects"):
+        for name in ("acked", "dropped", "dropped_qos0", "held_over", "store_retries", "connects"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("gaps", "gap_seqs"):
             setattr(self, name, getattr(self, name) + getattr(other, name))

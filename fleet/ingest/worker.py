@@ -67,8 +67,6 @@ class IngestWorker:
         self._acks_since = 0.0
         self._ack_lock = threading.Lock()
         self._epoch = 0
-        #: Messages of connections before this one are skipped by the writer (resent).
-        self._discard_before = 0
         self._stopping = threading.Event()
         #: The writer holds messages it took from the inbox (a batch not yet committed).
         self._busy = False
@@ -150,12 +148,13 @@ class IngestWorker:
             self._failed(f"the broker refused the connection: {reason_code}")
             return
         # Under the ack lock: the writer must never ack an old connection's mid on this one.
+        # What still waits here from the old connection is stored all the same (never
+        # acked: its mids died with that connection). A broker that resumed the session
+        # resends it (MQTT 5 4.4.0-1; the store counts a duplicate), but one that crashed
+        # and came back from a persistence file saved before those messages arrived has
+        # the session without them, and never resends them.
         with self._ack_lock:
             self._epoch += 1
-            if flags.session_present:
-                # The broker resends every unacked message of the session (MQTT 5 4.4.0-1):
-                # what still waits here from the old connection would only be stored twice.
-                self._discard_before = self._epoch
         self.stats.connects += 1
         if self._gaps is not None:
             self._gaps.connected(time.time_ns())
@@ -421,10 +420,9 @@ class IngestWorker:
                 except IndexError:
                     pass
                 else:
-                    if item[0] >= self._discard_before:
-                        batch.append(item)
-                    else:
-                        self.stats.discarded += 1
+                    batch.append(item)
+                    if item[0] != self._epoch:
+                        self.stats.held_over += 1
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0 or len(batch) >= batch_max // 10 or self._stopping.is_set():
