@@ -99,6 +99,9 @@ class Match:
     signal_named: bool = False
     #: Other labels raised within the horizon while its own was not.
     wrong: tuple[str, ...] = ()
+    #: Delay of its own label's first raise while the event lasted (plus ``slack_s``),
+    #: however late: tells a slow detection from none.
+    eventually_s: float | None = None
 
     @property
     def detected(self) -> bool:
@@ -125,19 +128,28 @@ def spans(records: Iterable[tuple[float, Sequence[str], Sequence[str]]]) -> list
     return sorted(out, key=lambda s: (s.start_s, s.label))
 
 
-def match_events(events: Sequence[Event], raises: Sequence[Raise]) -> list[Match]:
+def match_events(
+    events: Sequence[Event], raises: Sequence[Raise], slack_s: float = 0.0
+) -> list[Match]:
     """Each event with its detection delay (None: missed), see the module docstring."""
     out: list[Match] = []
     for ev in events:
         until = ev.onset_s + horizon(ev.label)
         inside = [r for r in raises if ev.onset_s <= r.t_s <= until]
         own = [r for r in inside if r.label == ev.label]
+        late = [
+            r.t_s - ev.onset_s
+            for r in raises
+            if r.label == ev.label and ev.onset_s <= r.t_s <= max(until, ev.end_s + slack_s)
+        ]
+        eventually = min(late) if late else None
         if own:
             first = min(own, key=lambda r: r.t_s)
-            out.append(Match(ev, first.t_s - ev.onset_s, ev.signal in first.signals))
+            named = ev.signal in first.signals
+            out.append(Match(ev, first.t_s - ev.onset_s, named, eventually_s=eventually))
         else:
             wrong = tuple(sorted({r.label for r in inside}))
-            out.append(Match(ev, None, wrong=wrong))
+            out.append(Match(ev, None, wrong=wrong, eventually_s=eventually))
     return out
 
 
@@ -244,6 +256,9 @@ def summarize(
         for lab, ms in by.items()
     }
     delays = {lab: [m.delay_s for m in ms if m.delay_s is not None] for lab, ms in by.items()}
+    eventually = {
+        lab: _ratio(sum(m.eventually_s is not None for m in ms), len(ms)) for lab, ms in by.items()
+    }
     after_by = {lab: 0 for lab in labels}
     for m, a in zip(matches, after, strict=True):
         after_by[m.event.label] += int(a)
@@ -268,6 +283,7 @@ def summarize(
         "event_recall": recall,
         "event_recall_in_scope": in_scope,
         "recall_by_signal": by_signal,
+        "event_recall_while_active": eventually,
         "delay_p50_s": {lab: percentile(d, 50) for lab, d in delays.items()},
         "delay_p90_s": {lab: percentile(d, 90) for lab, d in delays.items()},
         "signal_named": {

@@ -36,8 +36,11 @@ def test_an_event_is_detected_only_by_its_own_label_within_its_horizon() -> None
         ds.Raise(325.0, "drift", ("speed",)),  # drift has 30 s
         ds.Raise(405.01, "noise"),  # just past 5 s
     ]
-    m = ds.match_events(events, raises)
+    m = ds.match_events(events, raises, slack_s=5.0)
     assert [x.detected for x in m] == [True, False, True, False]
+    # Slow is not missed: raised while the event lasted (+ slack), past the horizon.
+    assert [x.eventually_s for x in m] == pytest.approx([1.3, 5.5, 25.0, 5.01])
+    assert ds.match_events(events[3:], raises)[0].eventually_s is None
     assert m[0].delay_s == pytest.approx(1.3)
     assert m[0].signal_named
     assert m[1].wrong == ("noise",)
@@ -81,16 +84,18 @@ def test_alarm_spans_and_alarms_still_up_after_the_end() -> None:
 
 def test_summary_recall_delays_rates_and_targets() -> None:
     matches = [
-        ds.Match(ev("spike", 0, 5), 1.0, True),
-        ds.Match(ev("spike", 0, 5), 3.0, False),
+        ds.Match(ev("spike", 0, 5), 1.0, True, eventually_s=1.0),
+        ds.Match(ev("spike", 0, 5), 3.0, False, eventually_s=3.0),
         ds.Match(ev("spike", 0, 5, "temperature"), None, wrong=("noise",)),
         ds.Match(ev("drift", 0, 20, "temperature"), None),
-        ds.Match(ev("drift", 0, 20), 10.0, True),
+        ds.Match(ev("drift", 0, 20), 10.0, True, eventually_s=10.0),
     ]
+    matches[2] = ds.Match(matches[2].event, None, wrong=("noise",), eventually_s=7.0)
     false = [ds.Raise(1.0, "stuck")]
     out = ds.summarize(matches, false, 7200.0, [False, False, True, False, False], SIGNALS)
     assert out["event_recall"] == {"drift": 0.5, "spike": 0.667}
     assert out["event_recall_in_scope"] == {"drift": 1.0, "spike": 0.667}
+    assert out["event_recall_while_active"] == {"drift": 0.5, "spike": 1.0}
     assert out["recall_by_signal"]["spike"]["temperature"] == 0.0  # type: ignore[index]
     assert out["recall_by_signal"]["spike"]["voltage"] is None  # type: ignore[index]
     assert out["delay_p50_s"] == {"drift": 10.0, "spike": 2.0}
