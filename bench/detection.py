@@ -27,7 +27,9 @@ Profiles (``bench/data/detection`` holds the Modbus-only configs):
 * ``modbus_100ms``, ``modbus_10ms``: issue 20's register map, every signal polled over Modbus.
 
 Each runs the model its config names (the shipped one) unless ``--model PROFILE=DIR`` gives
-one trained for it. A profile whose contract ``check-config`` refuses for that model is
+another; :data:`TRAINED` adds ``modbus_100ms_trained`` / ``modbus_10ms_trained`` (the same
+configs with a model ``models.train --acquisition-from`` trained for them) where that model
+is in ``models/``. A profile whose contract ``check-config`` refuses for that model is
 still measured, as ``[reasoning] acquisition = "accept-mismatch"`` would run it, and marked
 ``"accepted": false`` with the reason.
 
@@ -78,9 +80,17 @@ PROFILES: dict[str, Path] = {
     "modbus_100ms": DATA / "modbus-only-100ms.toml",
     "modbus_10ms": DATA / "modbus-only-10ms.toml",
 }
+#: Profiles run with a model trained for their config (``python -m models.train
+#: --acquisition-from CONFIG``): name -> (the profile whose config it reads, the model's
+#: folder). Measured when the folder holds a model.
+TRAINED: dict[str, tuple[str, Path]] = {
+    "modbus_100ms_trained": ("modbus_100ms", REPO / "models" / "motor_drive_modbus_only_100ms"),
+    "modbus_10ms_trained": ("modbus_10ms", REPO / "models" / "motor_drive_modbus_only_10ms"),
+}
 #: Plant seeds: none of models.train's (training 1-600, validation 100001+, test 200001+,
-#: out of scope 210001+, continuous runs 250001+).
-FIRST_SEED = 300_001
+#: out of scope 210001+, continuous runs 150001+, 160001+, 250001+) nor the test suite's
+#: held-out ones (tests/test_model_card.py: 300001+, 350001).
+FIRST_SEED = 400_001
 START_S = 10.0
 PIECE_S = 640.0  # 1000 windows of 0.64 s
 GUARD_S = 20.0  # an event's zone runs this long past its end (alarms cleared, OOD back)
@@ -228,20 +238,30 @@ def score(results: Sequence[RunResult]) -> dict[str, object]:
     return out
 
 
+def available() -> dict[str, tuple[Path, Path | None]]:
+    """Every profile that can run here: name -> (config, model folder; None: the config's)."""
+    out: dict[str, tuple[Path, Path | None]] = {n: (c, None) for n, c in PROFILES.items()}
+    for name, (base, model) in TRAINED.items():
+        if (model / "manifest.json").is_file():
+            out[name] = (PROFILES[base], model)
+    return out
+
+
 def measure(
-    names: Sequence[str],
+    profiles: dict[str, tuple[Path, Path | None]],
     *,
     seeds: int,
     minutes: float,
     workers: int,
     schedule_seed: int,
-    models: dict[str, Path],
     jit: bool | None = None,
     progress: bool = True,
 ) -> dict[str, dict[str, object]]:
-    """Run every profile in ``names`` on ``seeds`` plants of ``minutes`` each."""
+    """Run every profile (name -> (config, model folder)) on ``seeds`` plants of
+    ``minutes`` each."""
+    names = list(profiles)
     jobs = [
-        Job(name, PROFILES[name], models.get(name), FIRST_SEED + i, minutes, schedule_seed, jit)
+        Job(name, *profiles[name], FIRST_SEED + i, minutes, schedule_seed, jit)
         for name in names
         for i in range(seeds)
     ]
@@ -253,12 +273,19 @@ def measure(
     out: dict[str, dict[str, object]] = {}
     for name in names:
         mine = [r for j, r in zip(jobs, results, strict=True) if j.profile == name]
-        cfg = load_config(PROFILES[name])
-        stage, accepted, reason = build(cfg, models.get(name), jit, [T0_NS])
+        config, model_dir = profiles[name]
+        cfg = load_config(config)
+        stage, accepted, reason = build(cfg, model_dir, jit, [T0_NS])
         m = stage.model.manifest
         fig: dict[str, object] = {
-            "config": str(PROFILES[name].relative_to(REPO)),
-            "model": {"name": m.name, "version": m.version, "sha256": stage.model.sha256[:16]},
+            "config": str(config.relative_to(REPO)),
+            "model": {
+                "dir": str(model_dir) if model_dir is not None else "the config's",
+                "name": m.name,
+                "version": m.version,
+                "sha256": stage.model.sha256[:16],
+                "trained_for": m.acquisition.name if m.acquisition is not None else None,
+            },
             "accepted": accepted,
         }
         if not accepted:
@@ -290,33 +317,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, help="per plant (default 30 quick, 60)")
     parser.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     parser.add_argument("--schedule-seed", type=int, default=20)
-    parser.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated")
+    table = available()
+    parser.add_argument("--profiles", default=",".join(table), help="comma-separated")
     parser.add_argument(
-        "--model", action="append", default=[], help="PROFILE=DIR: a model trained for it"
+        "--model",
+        action="append",
+        default=[],
+        help="PROFILE=DIR: run PROFILE's config with the model in DIR instead",
     )
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.profiles.split(",") if n.strip()]
-    unknown = [n for n in names if n not in PROFILES]
-    if unknown:
-        parser.error(f"unknown profile {unknown[0]!r}; expected some of {', '.join(PROFILES)}")
-    models: dict[str, Path] = {}
     for item in args.model:
         name, sep, path = item.partition("=")
-        if not sep or name not in PROFILES:
+        if not sep or name not in table:
             parser.error(
-                f"--model {item!r}: expected PROFILE=DIR with PROFILE one of {list(PROFILES)}"
+                f"--model {item!r}: expected PROFILE=DIR with PROFILE one of {list(table)}"
             )
-        models[name] = Path(path)
+        table[name] = (table[name][0], Path(path))
+    names = [n.strip() for n in args.profiles.split(",") if n.strip()]
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        parser.error(f"unknown profile {unknown[0]!r}; expected some of {', '.join(table)}")
     seeds = args.seeds or (3 if args.quick else 12)
     minutes = args.minutes or (30.0 if args.quick else 60.0)
     started = time.perf_counter()
     profiles = measure(
-        names,
+        {n: table[n] for n in names},
         seeds=seeds,
         minutes=minutes,
         workers=args.workers,
         schedule_seed=args.schedule_seed,
-        models=models,
         progress=not args.json,
     )
     out = {
