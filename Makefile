@@ -82,6 +82,7 @@ bench: venv
 	$(BIN)/python -m bench.modbus_poll --quick
 	$(BIN)/python -m bench.can_ingest --quick
 	$(BIN)/python -m bench.reasoning --quick
+	$(BIN)/python -m bench.detection --quick
 	$(BIN)/python -m bench.hot_swap --quick
 	$(BIN)/python -m bench.memory --quick
 	$(BIN)/python -m bench.gate --quick

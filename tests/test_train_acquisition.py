@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.detection import PROFILES
-from edge_agent.acquisition import config_acquisition
+from bench.detection import PROFILES, TRAINED
+from edge_agent.acquisition import config_acquisition, contract_report
 from edge_agent.config import load_config
-from models import train
+from models import load_model, train
 from models.acquisition import Acquisition
 from models.contract import check_contract
 from models.dataset import FIELD_BUSES, SIGNALS, WindowSet
@@ -110,3 +110,22 @@ def test_where_a_model_for_a_config_goes_by_default() -> None:
     )
     assert train._dir_name(train.VARIANTS["slow"], Path("site.toml")) == "motor_drive_slow_site"
     assert not math.isnan(train.acquisition_from(MODBUS_100).signals["voltage"].period_ms)
+
+
+def test_the_model_trained_for_modbus_100ms_serves_that_config_and_not_the_example() -> None:
+    """``models/motor_drive_modbus_only_100ms``: trained with ``--acquisition-from`` the
+    bench's Modbus-only 100 ms config; check-config's contract accepts it there, and
+    refuses it for the example config's CAN signals (the shipped model's, the other way)."""
+    _, model_dir = TRAINED["modbus_100ms_trained"]
+    model = load_model(model_dir)
+    acq = model.manifest.acquisition
+    assert acq is not None
+    assert acq.name == MODBUS_100.name
+    modbus = load_config(MODBUS_100)
+    report = contract_report(modbus.sources, grid_ms=10.0, manifest=model.manifest)
+    assert report.checked
+    assert not report.errors
+    example = load_config(ROOT / "examples" / "agent.toml")
+    report = contract_report(example.sources, grid_ms=10.0, manifest=model.manifest)
+    assert report.refused
+    assert any(f.signal == "current" for f in report.errors)
