@@ -311,10 +311,10 @@ def _line(name: str, fig: dict[str, object]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 plants x 30 min per profile")
+    parser.add_argument("--quick", action="store_true", help="3 plants x 20 min per profile")
     parser.add_argument("--json", action="store_true", help="only the JSON line on stdout")
     parser.add_argument("--seeds", type=int, help="plants per profile (default 3 quick, 12)")
-    parser.add_argument("--minutes", type=float, help="per plant (default 30 quick, 60)")
+    parser.add_argument("--minutes", type=float, help="per plant (default 20 quick, 60)")
     parser.add_argument("--workers", type=int, default=1, help="processes (default 1)")
     parser.add_argument("--schedule-seed", type=int, default=20)
     table = available()
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown profile {unknown[0]!r}; expected some of {', '.join(table)}")
     seeds = args.seeds or (3 if args.quick else 12)
-    minutes = args.minutes or (30.0 if args.quick else 60.0)
+    minutes = args.minutes or (20.0 if args.quick else 60.0)
     started = time.perf_counter()
     profiles = measure(
         {n: table[n] for n in names},
