@@ -21,6 +21,13 @@ touches the default model's reference outputs or the model card's metrics::
 
     .venv-train/bin/python -m models.train --variant slow --cache /tmp/edgefleet-train
 
+``--acquisition-from AGENT_TOML`` makes every data set through the acquisition that agent
+config's sources deliver (:func:`acquisition_from`) instead of the example config's field
+buses, records it as ``training.acquisition`` and writes ``models/motor_drive_<config name>``
+(the shipped model's reference outputs and card stay as they are)::
+
+    make model ARGS="--acquisition-from /etc/edge-agent/agent.toml --cache /tmp/edgefleet-train"
+
 TensorFlow is imported only inside functions of this module.
 """
 
