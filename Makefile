@@ -52,8 +52,10 @@ $(TFLITE_VENV)/.installed-edgefleet: pyproject.toml
 	@touch $@
 
 ## model: regenerate the training data, train, quantize to INT8 and rewrite models/motor_drive/
+##        (ARGS="--acquisition-from site.toml": a model for that config's acquisition,
+##        written to models/motor_drive_site/)
 model: $(TRAIN_VENV)/.installed-edgefleet
-	$(TRAIN_VENV)/bin/python -m models.train
+	$(TRAIN_VENV)/bin/python -m models.train $(ARGS)
 
 $(TRAIN_VENV)/.installed-edgefleet: pyproject.toml
 	@scripts/ensure-system-deps python3-venv
@@ -80,6 +82,7 @@ bench: venv
 	$(BIN)/python -m bench.modbus_poll --quick
 	$(BIN)/python -m bench.can_ingest --quick
 	$(BIN)/python -m bench.reasoning --quick
+	$(BIN)/python -m bench.detection --quick
 	$(BIN)/python -m bench.hot_swap --quick
 	$(BIN)/python -m bench.memory --quick
 	$(BIN)/python -m bench.gate --quick

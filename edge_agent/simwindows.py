@@ -35,18 +35,21 @@ def plant_windows(
     spec: PerceptionSpec | None = None,
     acquisition: Acquisition = DEFAULT_ACQUISITION,
     acquisition_seed: int = 0,
+    plant: MotorPlant | None = None,
 ) -> Iterator[Window]:
     """Yield the windows perception makes of ``seconds`` of plant time from ``start_s``.
 
     ``spec`` defaults to the plant's six signals, 100 Hz, 64-step windows and a 250 ms
     staleness limit (the example config's grid; a 200 ms poll must not read as stale).
     ``acquisition_seed`` draws the sources' phases and arrival delays. A signal in a
-    ``dropout`` sends nothing.
+    ``dropout`` sends nothing. ``plant``: a :class:`MotorPlant` built with ``seed`` and
+    ``anomalies``, reused across calls that walk one timeline in pieces (a bench's hours):
+    it keeps its temperature checkpoints, so a later piece does not integrate from t = 0.
     """
     spec = spec or PerceptionSpec(
         signals=SIGNALS, rate_hz=STEP_HZ, window=64, hop=64, max_staleness_ms=250.0
     )
-    plant = MotorPlant(seed, anomalies)
+    plant = plant or MotorPlant(seed, anomalies)
     aligner = Aligner(spec)
     first = round(start_s * STEP_HZ)
     n_steps = round(seconds * STEP_HZ)

@@ -21,6 +21,13 @@ touches the default model's reference outputs or the model card's metrics::
 
     .venv-train/bin/python -m models.train --variant slow --cache /tmp/edgefleet-train
 
+``--acquisition-from AGENT_TOML`` makes every data set through the acquisition that agent
+config's sources deliver (:func:`acquisition_from`) instead of the example config's field
+buses, records it as ``training.acquisition`` and writes ``models/motor_drive_<config name>``
+(the shipped model's reference outputs and card stay as they are)::
+
+    make model ARGS="--acquisition-from /etc/edge-agent/agent.toml --cache /tmp/edgefleet-train"
+
 TensorFlow is imported only inside functions of this module.
 """
 
@@ -177,23 +184,95 @@ VARIANTS: Mapping[str, Variant] = {
 # -- data ------------------------------------------------------------------------------------
 
 
-def _make_set(seeds: Sequence[int], workers: int) -> dataset.WindowSet:
-    job = partial(dataset.generate_seed, n_windows=PER_SEED, rng_seed=DATA_RNG_SEED)
+def _make_set(
+    seeds: Sequence[int],
+    workers: int,
+    acquisition: dataset.Acquisition = dataset.DEFAULT_ACQUISITION,
+) -> dataset.WindowSet:
+    job = partial(
+        dataset.generate_seed,
+        n_windows=PER_SEED,
+        rng_seed=DATA_RNG_SEED,
+        acquisition=acquisition,
+    )
     with ProcessPoolExecutor(max_workers=workers) as pool:
         parts = list(pool.map(job, seeds, chunksize=4))
     return dataset.concat(parts)
 
 
-def _continuous(runs: Sequence[ContRun], workers: int) -> FloatArray:
+def _continuous(
+    runs: Sequence[ContRun],
+    workers: int,
+    acquisition: dataset.Acquisition = dataset.DEFAULT_ACQUISITION,
+) -> FloatArray:
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        parts = list(pool.map(_continuous_one, runs))
+        parts = list(pool.map(partial(_continuous_one, acquisition=acquisition), runs))
     return np.concatenate(parts)
 
 
-def _continuous_one(run: ContRun) -> FloatArray:
+def _continuous_one(
+    run: ContRun, acquisition: dataset.Acquisition = dataset.DEFAULT_ACQUISITION
+) -> FloatArray:
     seed, start_s, hours = run
     n_windows = round(hours * 3600 * dataset.RATE_HZ / dataset.WINDOW)
-    return dataset.continuous_normal(seed, start_s, n_windows)
+    return dataset.continuous_normal(seed, start_s, n_windows, acquisition)
+
+
+def acquisition_from(path: Path) -> dataset.Acquisition:
+    """The acquisition the agent config at ``path`` delivers for the model's six signals
+    (``--acquisition-from``): per signal, its source's period, resolution, range, deadband
+    and heartbeat, as ``edge-agent check-config`` sees them
+    (:func:`edge_agent.acquisition.config_acquisition`), so the trained model's
+    ``training.acquisition`` is exactly what the input contract will compare with that
+    config. Raises ValueError naming what does not fit (a signal no source gives, another
+    grid or window than the data sets are made on, a config the agent would refuse).
+
+    edge_agent is imported here, not at the top: the training tool reads an agent config
+    through the agent's own parser, while the ``models`` package never depends on the
+    agent (edge_agent imports models).
+    """
+    from drivers.errors import DriverConfigError  # noqa: PLC0415
+    from edge_agent.acquisition import config_acquisition  # noqa: PLC0415
+    from edge_agent.config import load_config  # noqa: PLC0415
+    from edge_agent.errors import ConfigError  # noqa: PLC0415
+
+    try:
+        cfg = load_config(path)
+        delivered = config_acquisition(cfg.sources)
+    except (ConfigError, DriverConfigError) as exc:
+        raise ValueError(f"--acquisition-from {path}: {exc}") from None
+    per = cfg.perception
+    if per.rate_hz != dataset.RATE_HZ or per.window != dataset.WINDOW:
+        raise ValueError(
+            f"--acquisition-from {path}: perception is {per.window} steps at "
+            f"{per.rate_hz:g} Hz; the data sets are {dataset.WINDOW} steps at "
+            f"{dataset.RATE_HZ} Hz"
+        )
+    missing = [s for s in dataset.SIGNALS if s not in delivered]
+    if missing:
+        raise ValueError(
+            f"--acquisition-from {path}: no source gives {', '.join(missing)} "
+            f"(the model reads {', '.join(dataset.SIGNALS)})"
+        )
+    unknown = [s for s in dataset.SIGNALS if math.isnan(delivered[s].acquisition.period_ms)]
+    if unknown:
+        raise ValueError(
+            f"--acquisition-from {path}: no period for {', '.join(unknown)} "
+            "(a DBC message without a cycle time, or a poll of 0 ms): nothing to simulate"
+        )
+    return dataset.Acquisition(path.name, {s: delivered[s].acquisition for s in dataset.SIGNALS})
+
+
+def _dir_name(variant: Variant, config: Path) -> str:
+    """``motor_drive_<config name>`` (``_slow`` for the slow variant)."""
+    stem = "".join(c if c.isalnum() else "_" for c in config.stem).strip("_") or "config"
+    return "motor_drive" + ("_slow" if variant.name == "slow" else "") + f"_{stem}"
+
+
+def acquisition_key(acquisition: dataset.Acquisition) -> str:
+    """A short name for an acquisition's data sets in the cache (its description's hash)."""
+    text = json.dumps(acquisition.describe(), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def _hours(runs: Sequence[ContRun]) -> float:
@@ -683,24 +762,50 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - the train
     parser.add_argument(
         "--no-reference", action="store_true", help="do not rewrite tests/data/model_reference.npz"
     )
+    parser.add_argument(
+        "--acquisition-from",
+        type=Path,
+        default=None,
+        metavar="AGENT_TOML",
+        help=(
+            "train for the acquisition this agent config describes (each signal's source, "
+            "period, resolution, deadband); default out: models/motor_drive_<config name>"
+        ),
+    )
     args = parser.parse_args(argv)
     variant = VARIANTS[args.variant]
+    acquisition = dataset.DEFAULT_ACQUISITION
+    if args.acquisition_from is not None:
+        try:
+            acquisition = acquisition_from(args.acquisition_from)
+        except ValueError as exc:
+            parser.error(str(exc))
     out_dir: Path = args.out if args.out is not None else variant.default_out
+    if args.acquisition_from is not None and args.out is None:
+        out_dir = DEFAULT_MODEL_DIR.parent / _dir_name(variant, args.acquisition_from)
     if not variant.owns_reference and out_dir.resolve() == DEFAULT_MODEL_DIR:
         parser.error(f"--variant {variant.name} must not overwrite the default model {out_dir}")
+    # The test suite's reference outputs and the card's metrics describe the shipped model:
+    # a model for another acquisition writes them only when it replaces it (--out).
+    owns_reference = variant.owns_reference and (
+        args.acquisition_from is None or out_dir.resolve() == DEFAULT_MODEL_DIR
+    )
     started = time.monotonic()
 
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - started:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     cache: Path | None = args.cache
-    log("generating data sets")
-    train = _cached(cache, "train", lambda: _make_set(TRAIN_SEEDS, args.workers))
-    val = _cached(cache, "val", lambda: _make_set(VAL_SEEDS, args.workers))
-    test = _cached(cache, "test", lambda: _make_set(TEST_SEEDS, args.workers))
-    cont_train = _cached(cache, "cont_train", lambda: _continuous(CONT_TRAIN, args.workers))
-    cont_val = _cached(cache, "cont_val", lambda: _continuous(CONT_VAL, args.workers))
-    cont_test = _cached(cache, "cont_test", lambda: _continuous(CONT_TEST, args.workers))
+    if cache is not None and acquisition is not dataset.DEFAULT_ACQUISITION:
+        cache = cache / f"acquisition-{acquisition_key(acquisition)}"
+    acq, workers = acquisition, args.workers
+    log(f"generating data sets (acquisition {acq.name})")
+    train = _cached(cache, "train", lambda: _make_set(TRAIN_SEEDS, workers, acq))
+    val = _cached(cache, "val", lambda: _make_set(VAL_SEEDS, workers, acq))
+    test = _cached(cache, "test", lambda: _make_set(TEST_SEEDS, workers, acq))
+    cont_train = _cached(cache, "cont_train", lambda: _continuous(CONT_TRAIN, workers, acq))
+    cont_val = _cached(cache, "cont_val", lambda: _continuous(CONT_VAL, workers, acq))
+    cont_test = _cached(cache, "cont_test", lambda: _continuous(CONT_TEST, workers, acq))
     log(f"train {train.counts()}, val {val.counts()}, test {test.counts()}")
 
     spec = feature_spec_from(train.values[train.labels == 0])
@@ -750,7 +855,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - the train
         "train_continuous_normal_windows": len(cont_train),
         "val_windows": val.counts(),
         "representative_windows": int(rep_idx.size),
-        "acquisition": dataset.DEFAULT_ACQUISITION.describe(),
+        "acquisition": acquisition.describe(),
         "input_stats": input_stats_of(train, cont_train).describe(),
         "anomaly_ranges": {
             "drift": {
@@ -836,6 +941,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - the train
         rng_seed=DATA_RNG_SEED,
         weights={"drift": 1.0},
         drift_signals=("temperature",),
+        acquisition=acquisition,
     )
     temp_pred = decisions(predict_all(model, temp_drift.values), thresholds)
     metrics["out_of_scope"] = {
@@ -867,12 +973,12 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - the train
     assert final.manifest.known_answers is not None
     assert final.manifest.thresholds == thresholds
     # The reference outputs and the card's metrics describe the default model only.
-    if variant.owns_reference and not args.no_reference:
+    if owns_reference and not args.no_reference:
         ref_rng = np.random.default_rng(12345)
         idx = np.sort(ref_rng.choice(len(test), size=50, replace=False))
         write_reference(out_dir, test.values[idx], REFERENCE_PATH)
         log(f"wrote {REFERENCE_PATH}")
-    if variant.owns_reference and out_dir.resolve() == DEFAULT_MODEL_DIR and write_card(manifest):
+    if owns_reference and out_dir.resolve() == DEFAULT_MODEL_DIR and write_card(manifest):
         log(f"updated the metrics in {CARD_PATH}")
     log(f"wrote {out_dir} ({len(tflite)} bytes, sha256 {final.sha256[:12]})")
     return 0
