@@ -16,27 +16,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tests.support.mosquitto import Mosquitto
+from tests.support.procs import children
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 FLEET_ID = "fleet"
 GAP_CHECK_S = 5.0
-
-
-def children(pid: int, marker: str) -> list[int]:
-    """Pids of ``pid``'s child processes whose command line holds ``marker``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and marker in cmd:
-            out.append(int(entry.name))
-    return sorted(out)
 
 
 class Serve:

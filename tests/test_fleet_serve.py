@@ -58,6 +58,7 @@ from tests.support.fleet import (
 from tests.support.mosquitto import Mosquitto, mosquitto
 from tests.support.pg import pg_schema_url
 from tests.support.ports import free_port
+from tests.support.procs import alive, children
 from tests.support.tcp_proxy import TcpProxy, target_of, via
 
 pytestmark = pytest.mark.peers
@@ -118,29 +119,6 @@ class Serve:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
         self._reader.join(10)
-
-
-def children(pid: int, marker: str) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and marker in cmd:
-            out.append(int(entry.name))
-    return sorted(out)
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.fixture
