@@ -43,7 +43,6 @@ from edge_agent.reasoning import ReasoningStage  # noqa: E402
 from edge_agent.rules import RuleSet  # noqa: E402
 from edge_agent.simwindows import plant_windows  # noqa: E402
 from models import load_model  # noqa: E402
-from models.acquisition import Acquisition, SignalAcquisition  # noqa: E402
 from models.dataset import (  # noqa: E402
     LABELS,
     RATE_HZ,
@@ -53,27 +52,10 @@ from models.dataset import (  # noqa: E402
     generate,
 )
 from models.input_stats import window_stats  # noqa: E402
+from scripts.contract_evidence import modbus_only  # noqa: E402
 
 TEST_RUNS = ((250_001, 0.0), (250_002, 300.0), (250_003, 900.0), (250_004, 1800.0))
 WINDOW_S = WINDOW / RATE_HZ
-
-
-def modbus_only(period_ms: float) -> Acquisition:
-    quantum = {"voltage": 0.0, "current": 0.0, "frequency": 0.01, "speed": 1.0}
-    quantum.update({"temperature": 0.1, "vibration": 0.01})
-    return Acquisition(
-        f"modbus-only {period_ms:g} ms",
-        {
-            s: SignalAcquisition(
-                source="modbus block",
-                period_ms=period_ms,
-                quantum=quantum[s],
-                jitter_ms=1.0,
-                synced=False,
-            )
-            for s in SIGNALS
-        },
-    )
 
 
 def flagged(windows: np.ndarray, bounds: np.ndarray) -> np.ndarray:
