@@ -8,6 +8,7 @@ QoS 1 messages of persistent sessions, as a broker on a real site would.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -72,7 +73,9 @@ class Mosquitto:
         )
 
     def start(self, timeout: float = 10.0) -> None:
-        self.conf_path.write_text(self.config_text())
+        text = self.config_text()
+        self.conf_path.write_text(text)
+        ports = self.listener_ports(text)
         self.proc = subprocess.Popen(
             [mosquitto_binary(), "-c", str(self.conf_path)],
             stdout=subprocess.DEVNULL,
@@ -84,13 +87,26 @@ class Mosquitto:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
                 log = self.log_path.read_text() if self.log_path.exists() else ""
                 raise RuntimeError(f"mosquitto exited ({self.proc.returncode}): {err}{log}")
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.02)
+            waiting = [port for port in ports if not self._accepts(port)]
+            if not waiting:
+                return
+            ports = waiting
+            time.sleep(0.02)
         self.stop()
-        raise RuntimeError(f"mosquitto did not listen on {self.port} within {timeout} s")
+        raise RuntimeError(f"mosquitto did not listen on {ports} within {timeout} s")
+
+    def _accepts(self, port: int) -> bool:
+        try:
+            with socket.create_connection((self.host, port), timeout=0.2):
+                return True
+        except OSError:
+            return False
+
+    def listener_ports(self, text: str) -> list[int]:
+        """Every ``listener PORT`` in the config: mosquitto opens them one after another, so
+        a client of the second listener may be refused while the first already accepts."""
+        ports = [int(m) for m in re.findall(r"^listener\s+(\d+)", text, re.MULTILINE)]
+        return ports or [self.port]
 
     def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
         """Stop the broker (SIGTERM saves its persistence file; SIGKILL does not)."""
