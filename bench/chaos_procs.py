@@ -41,7 +41,7 @@ class Serve:
         log.flush()
         self.workers = workers
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleet.cli", "serve", *args],
+            [sys.executable, "-m", "fleet.cli", "serve", "--http", "127.0.0.1:0", *args],
             cwd=REPO,
             env=ENV,
             stdout=subprocess.DEVNULL,

@@ -327,6 +327,8 @@ def _start_ingest(broker: Mosquitto, url: str, workdir: Path) -> tuple[subproces
         "-c",
         "from fleet.cli import main; main()",
         "serve",
+        "--http",
+        "127.0.0.1:0",
         "--store",
         url,
         "--broker",

@@ -60,6 +60,8 @@ def run(n: int) -> dict[str, Any]:
                 "-m",
                 "fleet.cli",
                 "serve",
+                "--http",
+                "127.0.0.1:0",
                 "--store",
                 store_url,
                 "--broker",

@@ -47,7 +47,7 @@ def add_cmd(
 
 
 @app.command("serve")
-def serve_cmd(  # noqa: PLR0917 - typer passes options as parameters
+def serve_cmd(
     directory: DirOpt = Path("artifacts"),
     http_host: Annotated[str, typer.Option("--http-host")] = "127.0.0.1",
     http_port: Annotated[int, typer.Option("--http-port", min=0, max=65535)] = 8080,

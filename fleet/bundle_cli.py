@@ -116,7 +116,7 @@ def _threshold_note(valid: int | None, threshold: int | None) -> None:
 
 
 @bundle_app.command("build")
-def build_cmd(  # noqa: PLR0917 - typer passes options as parameters
+def build_cmd(
     kind: Annotated[KindChoice, typer.Option("--kind", help="What the bundle carries.")],
     version: Annotated[str, typer.Option("--version", help="Semantic version (1.2.0).")],
     counter: Annotated[
@@ -311,7 +311,7 @@ def _print_report(r: dict[str, Any]) -> None:
 
 
 @bundle_app.command("inspect")
-def inspect_cmd(  # noqa: PLR0917 - typer passes options as parameters
+def inspect_cmd(
     bundle: Annotated[Path, typer.Argument(dir_okay=False, help="The .efb to inspect.")],
     root_path: RootOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,

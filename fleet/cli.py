@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import signal
 import sys
-import threading
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -30,29 +26,26 @@ from rich.markup import escape
 from rich.table import Table
 
 from fleet import __version__
+from fleet.access_cli import audit_app, tokens_app, users_app
 from fleet.artifacts_cli import app as artifacts_app
 from fleet.bundle_cli import bundle_app
 from fleet.cli_common import (
     EXIT_FAILURE,
     EXIT_NOT_FOUND,
-    EXIT_USAGE,
     JsonOpt,
     StoreOpt,
-    err,
     fail,
     open_cli_store,
     out,
-    store_url,
 )
-from fleet.errors import ArtifactPortInUse, FleetError, IngestError
+from fleet.errors import FleetError
 from fleet.keys_cli import keys_app
 from fleet.pki_cli import broker_config_cmd, pki_app
 from fleet.rollout_cli import label as rollout_label
 from fleet.rollout_cli import rollout_app
+from fleet.serve_cli import serve
 from fleet.sessions_cli import sessions_app
 from fleet.store import DeviceInfo, Gap
-
-ENV_MQTT_PASSWORD = "FLEET_MQTT_PASSWORD"  # noqa: S105 - a variable name, not a secret
 
 app = typer.Typer(
     name="fleet",
@@ -73,7 +66,7 @@ app.add_typer(quarantine_app, name="quarantine")
 _fail = fail
 _open = open_cli_store
 if TYPE_CHECKING:
-    from fleet.ingest import IngestConfig
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -155,228 +148,6 @@ def model_health_text(health: dict[str, Any]) -> str:
 def _print_json(value: Any) -> None:
     # print, not rich: a pipe must get the JSON verbatim (no wrapping, no markup).
     print(json.dumps(value, indent=None, separators=(",", ":")))
-
-
-# --- serve ---------------------------------------------------------------------------------
-
-
-@app.command()
-def serve(
-    store: StoreOpt = None,
-    broker: Annotated[str, typer.Option(help="MQTT broker host:port.")] = "127.0.0.1:1883",
-    workers: Annotated[int, typer.Option(min=1, max=64, help="Ingest workers.")] = 1,
-    connect_timeout: Annotated[
-        float,
-        typer.Option(
-            min=0,
-            help="Exit (code 3) if the workers have not reached the broker within this many "
-            "seconds of the start (0: keep trying); later outages are ridden out.",
-        ),
-    ] = 30.0,
-    status_interval: Annotated[
-        float,
-        typer.Option(
-            min=0,
-            help="Seconds between status lines on stderr: workers connected, counts (0: none).",
-        ),
-    ] = 60.0,
-    auto_register: Annotated[
-        bool,
-        typer.Option(
-            "--auto-register/--no-auto-register",
-            help="Add unknown devices to the registry (else quarantine their messages).",
-        ),
-    ] = True,
-    duration: Annotated[
-        float | None, typer.Option(help="Stop after this many seconds (default: run forever).")
-    ] = None,
-    group: Annotated[str, typer.Option(help="Shared-subscription group.")] = "ingest",
-    client_id: Annotated[
-        str,
-        typer.Option(
-            help="Prefix of the workers' MQTT client ids, PREFIX-GROUP-N, each a persistent "
-            "session the store records (default: fleet-ingest-HOSTNAME).",
-        ),
-    ] = "",
-    batch_max: Annotated[int, typer.Option(help="Messages per store transaction.")] = 500,
-    batch_ms: Annotated[int, typer.Option(help="Longest wait to fill a batch (ms).")] = 50,
-    gap_grace: Annotated[
-        float,
-        typer.Option(
-            min=0,
-            max=86_400,
-            help="A hole in a device's seqs is logged as a gap once it is this old (s).",
-        ),
-    ] = 30.0,
-    gap_check: Annotated[
-        float, typer.Option(min=0, max=3_600, help="How often to look for new gaps (s; 0: off).")
-    ] = 5.0,
-    username: Annotated[str | None, typer.Option(help="MQTT user name.")] = None,
-    password_env: Annotated[
-        str, typer.Option(help="Environment variable holding the MQTT password.")
-    ] = ENV_MQTT_PASSWORD,
-    tls_ca: Annotated[Path | None, typer.Option(help="CA bundle to verify the broker.")] = None,
-    tls_cert: Annotated[Path | None, typer.Option(help="Client certificate (PEM).")] = None,
-    tls_key: Annotated[Path | None, typer.Option(help="Client key (PEM).")] = None,
-    rollouts: Annotated[
-        bool,
-        typer.Option(
-            "--rollouts/--no-rollouts", help="Run the artifact server and the rollout orchestrator."
-        ),
-    ] = True,
-    artifacts: Annotated[
-        Path, typer.Option(envvar="FLEET_ARTIFACTS", help="Directory of published bundles.")
-    ] = Path("artifacts"),
-    artifact_host: Annotated[str, typer.Option(help="Address the artifact server binds.")] = (
-        "127.0.0.1"
-    ),
-    artifact_port: Annotated[int, typer.Option(help="Artifact HTTP port (0: any).")] = 8700,
-    coap_port: Annotated[int, typer.Option(help="Artifact CoAP port (0: any).")] = 5683,
-    advertise: Annotated[
-        str,
-        typer.Option(
-            help="Host name devices use for the artifact server (default: the bind address)."
-        ),
-    ] = "",
-    as_json: JsonOpt = False,
-) -> None:
-    """Ingest devices' MQTT uplink into the store until stopped (SIGTERM / Ctrl-C); with
-    --rollouts (the default) also serve bundles and run the rollouts."""
-    # Imported on use: the read-only commands never load paho.
-    from fleet.ingest import IngestConfig, parse_broker  # noqa: PLC0415
-    from fleet.ingest import serve as run  # noqa: PLC0415
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    try:
-        host, port = parse_broker(broker)
-        config = IngestConfig(
-            store_url=store_url(store),
-            broker_host=host,
-            broker_port=port,
-            group=group,
-            client_id=client_id,
-            auto_register=auto_register,
-            batch_max=batch_max,
-            batch_ms=batch_ms,
-            gap_grace_s=gap_grace,
-            gap_check_s=gap_check,
-            username=username,
-            password=os.environ.get(password_env) if username else None,
-            tls_ca=str(tls_ca) if tls_ca else None,
-            tls_cert=str(tls_cert) if tls_cert else None,
-            tls_key=str(tls_key) if tls_key else None,
-        )
-    except IngestError as exc:
-        _fail(str(exc), EXIT_USAGE)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    service_error: list[BaseException] = []
-    service = (
-        _start_rollouts(
-            config,
-            stop,
-            service_error,
-            artifacts=artifacts.resolve(),
-            http=(artifact_host, artifact_port),
-            coap_port=coap_port,
-            advertise=advertise,
-        )
-        if rollouts
-        else None
-    )
-    try:
-        stats = run(
-            config,
-            workers=workers,
-            duration=duration,
-            stop=stop,
-            connect_timeout=connect_timeout or None,
-            status_interval=status_interval or None,
-        )
-    except FleetError as exc:
-        _fail(str(exc), EXIT_FAILURE)
-    finally:
-        stop.set()
-        if service is not None:
-            service.join(timeout=5)
-    if service_error:
-        _fail(_service_failure(service_error[0]), EXIT_FAILURE)
-    per_worker = [s.as_dict() for s in stats]
-    if as_json:
-        _print_json({"workers": per_worker})
-        return
-    _print_worker_summary(per_worker)
-
-
-def _start_rollouts(
-    config: IngestConfig,
-    stop: threading.Event,
-    errors: list[BaseException],
-    *,
-    artifacts: Path,
-    http: tuple[str, int],
-    coap_port: int,
-    advertise: str,
-) -> threading.Thread:
-    """The artifact server and rollout orchestrator on a thread of their own, with the
-    ingest's broker and credentials. What ends it with an exception is appended to
-    ``errors`` and sets ``stop``: an ingest running on with no orchestrator looks healthy
-    while every rollout silently stands still."""
-    from fleet.rollout.orchestrator import RolloutService, serve_rollouts  # noqa: PLC0415
-
-    rcfg = RolloutService(
-        store_url=config.store_url,
-        artifacts=artifacts,
-        broker_host=config.broker_host,
-        broker_port=config.broker_port,
-        http_host=http[0],
-        http_port=http[1],
-        coap_port=coap_port,
-        advertise=advertise,
-        username=config.username,
-        password=config.password,
-        tls_ca=config.tls_ca,
-        tls_cert=config.tls_cert,
-        tls_key=config.tls_key,
-    )
-
-    def rollouts_main() -> None:
-        try:
-            serve_rollouts(rcfg, stop)
-        except BaseException as exc:  # its one line is printed by serve
-            errors.append(exc)
-            if not isinstance(exc, FleetError):  # a bug: the trace is worth having
-                log.exception("rollout service failed; stopping fleet serve")
-            stop.set()
-
-    service = threading.Thread(target=rollouts_main, name="rollouts", daemon=True)
-    service.start()
-    return service
-
-
-def _service_failure(failure: BaseException) -> str:
-    """The one line ``fleet serve`` ends with when its rollout service failed."""
-    if isinstance(failure, ArtifactPortInUse):
-        option = "--artifact-port" if failure.transport == "HTTP" else "--coap-port"
-        return (
-            f"{option}: {failure.host}:{failure.port} is already in use (another fleet "
-            "serve?); choose another port"
-        )
-    return f"rollout service failed: {failure}"
-
-
-def _print_worker_summary(per_worker: list[dict[str, Any]]) -> None:
-    for i, s in enumerate(per_worker):
-        q = sum(s["quarantined"].values())
-        err.print(
-            f"worker {i}: received {s['received']}, stored {s['stored']}, duplicates "
-            f"{s['duplicates']}, conflicts {s['conflicts']} (quarantined), quarantined {q}, "
-            f"batches {s['batches']}, dropped {s['dropped']} (redelivered), dropped QoS 0 "
-            f"{s['dropped_qos0']} (lost), gaps {s['gaps']} ({s['gap_seqs']} messages never "
-            "arrived)",
-            markup=False,
-        )
 
 
 # --- devices -------------------------------------------------------------------------------
@@ -647,8 +418,12 @@ def _root() -> None:
 app.add_typer(pki_app, name="pki")
 app.add_typer(rollout_app, name="rollout")
 app.add_typer(artifacts_app, name="artifacts")
+app.add_typer(users_app, name="users")
+app.add_typer(tokens_app, name="tokens")
+app.add_typer(audit_app, name="audit")
 devices_app.command("label")(rollout_label)
 app.command("broker-config")(broker_config_cmd)
+app.command()(serve)
 app.add_typer(keys_app, name="keys")
 app.add_typer(bundle_app, name="bundle")
 app.add_typer(sessions_app, name="sessions")

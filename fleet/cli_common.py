@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 not found / nothing to do, 2 bad usage, 3 store or broker fa
 
 from __future__ import annotations
 
+import getpass
 import os
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -14,13 +15,15 @@ from urllib.parse import unquote, urlsplit
 import typer
 
 from edge_agent.console import make_console
+from fleet.access import Principal
 from fleet.errors import FleetError
-from fleet.store import Store, open_store
+from fleet.store import OperatorStore, open_store
 
 ENV_STORE = "FLEET_STORE"
 EXIT_NOT_FOUND = 1
 EXIT_USAGE = 2
 EXIT_FAILURE = 3
+ENV_MQTT_PASSWORD = "FLEET_MQTT_PASSWORD"  # noqa: S105 - a variable name, not a secret
 
 out = make_console(highlight=False, soft_wrap=True)
 err = make_console(stderr=True, highlight=False)
@@ -65,7 +68,9 @@ def _named_by(value: str | None) -> str:
     return ENV_STORE if os.environ.get(ENV_STORE) == value else "--store"
 
 
-def open_cli_store(value: str | None, *, migrate: bool = True, create: bool = False) -> Store:
+def open_cli_store(
+    value: str | None, *, migrate: bool = True, create: bool = False
+) -> OperatorStore:
     """The store of ``--store``, migrated unless ``migrate`` is False (a command that must
     change nothing); a failure ends the command with exit code 3.
 
@@ -83,3 +88,13 @@ def open_cli_store(value: str | None, *, migrate: bool = True, create: bool = Fa
     except FleetError as exc:
         fail(str(exc), EXIT_FAILURE)
     return store
+
+
+def cli_principal() -> Principal:
+    """Who a CLI change is by, for the audit log: the local account. Whoever can open the
+    store can change it directly, so the CLI acts as admin; the record says who it was."""
+    try:
+        name = getpass.getuser()
+    except (KeyError, OSError):
+        name = f"uid{os.getuid()}"
+    return Principal(f"cli:{name}", "admin", "cli")

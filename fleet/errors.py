@@ -14,8 +14,9 @@
      ├── RolloutError            a rollout cannot be created or changed (bundle, plan, request)
      │    └── PlanError          (also a ValueError) a selector, wave list or threshold that
      │                           cannot be planned; says what and where
-     └── ArtifactError           the artifact server cannot bind, read its folder or publish
-          └── ArtifactPortInUse  its HTTP or CoAP port is taken by another process
+     ├── ArtifactError           the artifact server cannot bind, read its folder or publish
+     │    └── ArtifactPortInUse  its HTTP or CoAP port is taken by another process
+     └── AccessError             a user, token, password, role or session was refused
 """
 
 from __future__ import annotations
@@ -114,3 +115,7 @@ class RolloutError(FleetError):
 
 class PlanError(RolloutError, ValueError):
     """A selector, wave list or threshold that cannot be planned; says what and where."""
+
+
+class AccessError(FleetError):
+    """A user, token, password, role or session was refused (fleet.access, the API)."""

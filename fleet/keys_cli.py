@@ -66,7 +66,7 @@ def _now() -> datetime:
 
 
 @keys_app.command("init")
-def init_cmd(  # noqa: PLR0917 - typer passes options as parameters
+def init_cmd(
     keys_dir: DirOpt = Path("keys"),
     root_keys: Annotated[int, typer.Option("--root-keys", min=1, help="Root keys to make.")] = 1,
     root_threshold: Annotated[
@@ -129,7 +129,7 @@ def init_cmd(  # noqa: PLR0917 - typer passes options as parameters
 
 
 @keys_app.command("rotate")
-def rotate_cmd(  # noqa: PLR0917 - typer passes options as parameters
+def rotate_cmd(
     keys_dir: DirOpt = Path("keys"),
     add_bundle_key: Annotated[
         bool, typer.Option("--add-bundle-key", help="Make a new bundle-signing key.")

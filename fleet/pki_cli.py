@@ -120,7 +120,7 @@ def init_cmd(
 
 
 @pki_app.command("issue")
-def issue_cmd(  # noqa: PLR0917 - typer passes options as parameters
+def issue_cmd(
     name: Annotated[str, typer.Argument(help="Device or service name: the certificate CN.")],
     ca_dir: DirOpt = Path("pki"),
     out: Annotated[
@@ -354,7 +354,7 @@ def sync_registry_cmd(
     )
 
 
-def broker_config_cmd(  # noqa: PLR0917 - typer passes options as parameters
+def broker_config_cmd(
     pki_dir: Annotated[
         Path, typer.Option("--pki-dir", envvar=_ENV_DIR, file_okay=False, help="The CA folder.")
     ] = Path("pki"),

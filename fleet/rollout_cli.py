@@ -9,31 +9,27 @@ rest of ``fleet``: 0 ok, 1 not found, 2 bad usage, 3 store failure.
 from __future__ import annotations
 
 import json
-import re
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from fleet.cli_common import JsonOpt, StoreOpt, fail, open_cli_store, out
+from fleet.changes import Changes, RolloutSpec
+from fleet.cli_common import JsonOpt, StoreOpt, cli_principal, fail, open_cli_store, out
 from fleet.errors import FleetError, PlanError, RolloutError
 from fleet.rollout import machine as m
 from fleet.rollout.orchestrator import (
-    create_rollout,
     load,
-    request,
 )
 from fleet.rollout.plan import (
-    TIERS,
     parse_fraction,
     parse_selector,
     parse_waves,
 )
+from fleet.rollout.report import summary
 from fleet.store import Store
-
-_GROUP = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
 rollout_app = typer.Typer(help="OTA rollouts in waves that halt themselves.", no_args_is_help=True)
 ArtifactsOpt = Annotated[
@@ -52,38 +48,8 @@ def _iso(t_ns: int) -> str:
     return datetime.fromtimestamp(t_ns / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _device(d: m.DeviceRun) -> dict[str, Any]:
-    return {
-        "wave": d.wave + 1,
-        "state": d.state,
-        "attempts": d.attempts,
-        "reason": d.reason,
-        "code": d.code,
-    }
-
-
-def summary(r: m.Rollout) -> dict[str, Any]:
-    """What ``status --json`` prints for one rollout."""
-    waves = []
-    for k, names in enumerate(r.waves):
-        waves.append({"wave": k + 1, "devices": len(names), "states": r.counts(k)})
-    return {
-        "id": r.id,
-        "state": r.state,
-        "reason": r.reason,
-        "bundle_id": r.bundle_id,
-        "version": r.version,
-        "kind": r.kind,
-        "sha256": r.sha256,
-        "wave": r.wave + 1,
-        "waves": waves,
-        "devices": {d.device: _device(d) for d in r.devices.values()},
-        "history": [{"t_ns": t, "event": e} for t, e in r.history],
-    }
-
-
 @rollout_app.command("create")
-def create(  # noqa: PLR0917 - typer passes options as parameters
+def create(
     bundle: Annotated[Path, typer.Argument(help="The signed .efb bundle.")],
     select: Annotated[str, typer.Option(help="site=..,device_type=..,group=..,tier=..")] = "",
     waves: Annotated[str, typer.Option(help="Cumulative percentages.")] = "1%,10%,50%,100%",
@@ -126,11 +92,9 @@ def create(  # noqa: PLR0917 - typer passes options as parameters
     except PlanError as exc:
         _fail(str(exc), 2)
     st = _open(store, migrate=not dry_run, create=not dry_run)
+    spec = RolloutSpec(bundle, artifacts, selector, params, transport, root)
     try:
-        r = create_rollout(
-            st, bundle, artifacts=artifacts, selector=selector, params=params,
-            transport=transport, root_json=root, dry_run=dry_run,
-        )  # fmt: skip
+        r = Changes(st, cli_principal()).create_rollout(spec, dry_run=dry_run)
     except (RolloutError, PlanError) as exc:
         _fail(str(exc), 2)
     except FleetError as exc:
@@ -233,7 +197,7 @@ def list_(store: StoreOpt = None, as_json: JsonOpt = False) -> None:
 def _request(rollout_id: str, action: str, store: str | None) -> None:
     st = _open(store)
     try:
-        request(st, rollout_id, action)
+        Changes(st, cli_principal()).rollout_request(rollout_id, action)
     except RolloutError as exc:
         _fail(str(exc), 1 if "no rollout" in str(exc) else 2)
     finally:
@@ -266,15 +230,15 @@ def label(
     store: StoreOpt = None,
 ) -> None:
     """Set a device's rollout group and tier (canary first, critical last)."""
-    if tier is not None and tier not in TIERS:
-        _fail(f"--tier {tier!r}: expected one of {', '.join(TIERS)}", 2)
-    if group and not _GROUP.match(group):
-        # The selector's own rule: a group it cannot name could never be rolled out to.
-        _fail(f"--group {group!r}: expected 1-128 of A-Z a-z 0-9 _ . : - (or '' to clear)", 2)
     st = _open(store)
     try:
-        if not st.set_labels(device, group=group, tier=tier):
-            _fail(f"no device {device!r} in the registry", 1)
+        Changes(st, cli_principal()).set_labels(device, group=group, tier=tier)
+    except RolloutError as exc:
+        text = str(exc)
+        _fail(
+            text if text.startswith("no device") else f"--{text}",
+            1 if text.startswith("no device") else 2,
+        )
     finally:
         st.close()
     out.print(f"{device}: group={group if group is not None else '(unchanged)'} "

@@ -28,8 +28,9 @@ def test_fleet_serve_summary_is_one_line_in_a_pipe(tmp_path: Path) -> None:
     with mosquitto(tmp_path / "broker") as broker:
         res = subprocess.run(
             [
-                str(BIN / "fleet"), "serve", "--store", str(tmp_path / "fleet.db"),
-                "--broker", f"127.0.0.1:{broker.port}", "--no-rollouts", "--duration", "1",
+                str(BIN / "fleet"), "serve", "--store", str(tmp_path / "fleet.db"), "--broker",
+                f"127.0.0.1:{broker.port}", "--no-rollouts", "--duration", "1", "--http",
+                "127.0.0.1:0",
             ],
             capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
         )  # fmt: skip

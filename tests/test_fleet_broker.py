@@ -66,7 +66,16 @@ class Site:
     def serve(self, *extra: str) -> subprocess.Popen[str]:
         """``fleet serve`` over mutual TLS as the fleet identity, JSON summary on stdout."""
         ca, cert, key = self.holder("fleet")
-        cmd = [sys.executable, "-m", "fleet.cli", "serve", "--store", self.store_url]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fleet.cli",
+            "serve",
+            "--http",
+            "127.0.0.1:0",
+            "--store",
+            self.store_url,
+        ]
         cmd += ["--broker", f"127.0.0.1:{self.broker.port}", "--no-rollouts", "--json"]
         cmd += ["--tls-ca", ca, "--tls-cert", cert, "--tls-key", key, "--batch-ms", "20"]
         return subprocess.Popen(

@@ -514,6 +514,8 @@ def _serve_cmd(url: str, broker: Mosquitto, *extra: str) -> list[str]:
         "-m",
         "fleet.cli",
         "serve",
+        "--http",
+        "127.0.0.1:0",
         "--store",
         url,
         "--broker",

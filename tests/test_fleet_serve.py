@@ -69,7 +69,7 @@ class Serve:
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleet.cli", "serve", *args],
+            [sys.executable, "-m", "fleet.cli", "serve", "--http", "127.0.0.1:0", *args],
             cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO)},
             stdout=subprocess.PIPE,

@@ -217,6 +217,8 @@ def _serve(url: str, broker: Mosquitto, client_id: str, log: Path) -> subprocess
         "-m",
         "fleet.cli",
         "serve",
+        "--http",
+        "127.0.0.1:0",
         "--store",
         url,
         "--broker",

@@ -137,7 +137,8 @@ def test_fleet_serve_names_the_artifact_port_option_once(tmp_path: Path) -> None
             "20",
         ]  # fmt: skip
         with taken() as http:
-            res = run(*base, "--artifact-port", str(http), "--coap-port", "0")
+            res = run(*base, "--artifact-port", str(http), "--coap-port", "0", "--http",
+                      "127.0.0.1:0")  # fmt: skip
         assert res.returncode == 3, res.stderr
         assert last_line(res.stderr) == (
             f"fleet: --artifact-port: 127.0.0.1:{http} is already in use (another fleet "
@@ -145,12 +146,24 @@ def test_fleet_serve_names_the_artifact_port_option_once(tmp_path: Path) -> None
         )
         assert res.stderr.count(str(http)) == 1, res.stderr
         with taken(socket.SOCK_DGRAM) as coap:
-            res = run(*base, "--artifact-port", "0", "--coap-port", str(coap))
+            res = run(*base, "--artifact-port", "0", "--coap-port", str(coap), "--http",
+                      "127.0.0.1:0")  # fmt: skip
         assert res.returncode == 3, res.stderr
         assert last_line(res.stderr).startswith(
             f"fleet: --coap-port: 127.0.0.1:{coap} is already in use"
         )
         assert res.stderr.count(str(coap)) == 1, res.stderr
+        with taken() as api:
+            res = run(*base, "--artifact-port", "0", "--coap-port", "0", "--http",
+                      f"127.0.0.1:{api}")  # fmt: skip
+        assert res.returncode == 3, res.stderr
+        assert last_line(res.stderr) == (
+            f"fleet: --http: 127.0.0.1:{api} is already in use (another fleet serve?); "
+            "choose another port"
+        )
+        res = run(*base, "--http", "localhost")
+        assert res.returncode == 2, res.stderr
+        assert last_line(res.stderr).startswith("fleet: --http 'localhost': expected HOST:PORT")
 
 
 def test_fleet_artifacts_serve_names_its_option(tmp_path: Path) -> None:

@@ -530,10 +530,11 @@ class RolloutService:
 
 def serve_rollouts(cfg: RolloutService, stop: threading.Event) -> None:
     """Blocking until ``stop``: run it in a thread of ``fleet serve``."""
-    asyncio.run(_serve(cfg, stop))
+    asyncio.run(run_rollouts(cfg, stop))
 
 
-async def _serve(cfg: RolloutService, stop: threading.Event) -> None:
+async def run_rollouts(cfg: RolloutService, stop: threading.Event) -> None:
+    """The artifact server and the orchestrator until ``stop``, on the running event loop."""
     from fleet.artifacts import ArtifactServer  # noqa: PLC0415 - aiohttp/aiocoap on use
     from fleet.store import open_store  # noqa: PLC0415
 
@@ -590,5 +591,6 @@ __all__ = [
     "create_rollout",
     "read_bundle",
     "request",
+    "run_rollouts",
     "serve_rollouts",
 ]

@@ -18,6 +18,7 @@ from fleet.store.base import (
     Gap,
     IngestResult,
     IngestSession,
+    OperatorStore,
     Quarantined,
     Row,
     Store,
@@ -32,7 +33,7 @@ BACKENDS: dict[str, tuple[str, str]] = {
 }
 
 
-def open_store(url: str) -> Store:
+def open_store(url: str) -> OperatorStore:
     """Open the store at ``url``: ``sqlite:///abs/path.db`` or ``postgresql://...``.
 
     Does not migrate; call :meth:`Store.migrate` (the ingest service does at start).
@@ -51,7 +52,7 @@ def open_store(url: str) -> Store:
             "expected 'sqlite' or 'postgresql'"
         )
     module, name = backend
-    store: Store = getattr(importlib.import_module(module), name)(url)
+    store: OperatorStore = getattr(importlib.import_module(module), name)(url)
     return store
 
 
@@ -64,6 +65,7 @@ __all__ = [
     "Gap",
     "IngestResult",
     "IngestSession",
+    "OperatorStore",
     "Quarantined",
     "Row",
     "SchemaTooNew",

@@ -36,6 +36,52 @@ class _DecisionBits(msgspec.Struct):
 _DECISION = msgspec.json.Decoder(_DecisionBits)
 
 
+class _Period(msgspec.Struct, array_like=True):
+    t_ns: int
+    keyframe: bool
+    signals: dict[str, tuple[float, float, float, float, int]]
+
+
+class _TelemetryBits(msgspec.Struct):
+    """What the per-signal series takes from a telemetry body (validated by the caller)."""
+
+    t_ns: int
+    signals: dict[str, tuple[float, float, float, float, int]]
+    more: list[_Period] = msgspec.field(default_factory=list)
+
+
+_TELEMETRY = msgspec.json.Decoder(_TelemetryBits)
+
+#: One point of a signal's series: device, signal, t_ns, boot_id, seq, mean, min, max, n.
+Point = tuple[str, str, int, str, int, float, float, float, int]
+
+
+def points_of(r: Row) -> list[Point]:
+    """The per-signal points of one telemetry row (its first period and every ``more``).
+    Non-finite statistics are left out: a chart cannot draw them and SQL cannot sort them.
+    A body that is not telemetry (the ingest validated it; only a tool writing rows
+    directly could) has no points: it is still stored, as every row is."""
+    try:
+        bits = _TELEMETRY.decode(r.body)
+    except (msgspec.DecodeError, ValueError):
+        return []
+    out: list[Point] = []
+    periods = [(bits.t_ns, bits.signals)] + [(p.t_ns, p.signals) for p in bits.more]
+    for t_ns, signals in periods:
+        for name, (mean, lo, hi, _last, n) in signals.items():
+            if math.isfinite(mean) and math.isfinite(lo) and math.isfinite(hi):
+                out.append((r.device, name, t_ns, r.boot_id, r.seq, mean, lo, hi, n))
+    return out
+
+
+def points_without(points: list[Point], rows: Sequence[Row]) -> list[Point]:
+    """``points`` less those of ``rows`` (conflicts: their first body's points stand)."""
+    if not rows:
+        return points
+    bad = {(r.device, r.boot_id, r.seq) for r in rows}
+    return [p for p in points if (p[0], p[3], p[4]) not in bad]
+
+
 @dataclass(slots=True)
 class Batch:
     """One ingest batch, prepared for the SQL of either backend.
@@ -52,6 +98,8 @@ class Batch:
     boots: list[tuple[str, str, int]]  # device, boot_id, first received_ns
     devices: list[tuple[str, str, int, int]]  # device, site, first received, last received
     latencies: list[tuple[str, str, int]]  # device, latency_json, t_ns of that decision
+    #: The per-signal points of the telemetry rows (see :func:`points_of`).
+    points: list[Point] = field(default_factory=list)
     repeats: int = 0
     conflicts: list[Row] = field(default_factory=list)
 
@@ -66,6 +114,7 @@ def prepare(rows: Sequence[Row]) -> Batch:
     boots: dict[tuple[str, str], int] = {}
     devices: dict[str, tuple[str, int, int]] = {}
     latest: dict[str, tuple[int, dict[str, float]]] = {}
+    points: list[Point] = []
     # sorted() is stable: rows of one key keep their arrival order, so the first is kept.
     for i, r in enumerate(sorted(rows, key=lambda r: (r.device, r.boot_id, r.seq))):
         if r.kind not in DATA_KINDS:
@@ -100,6 +149,8 @@ def prepare(rows: Sequence[Row]) -> Batch:
             prev = latest.get(r.device)
             if prev is None or r.t_ns >= prev[0]:
                 latest[r.device] = (r.t_ns, stages)
+        elif r.kind == "telemetry":
+            points += points_of(r)
         messages.append((r.device, r.boot_id, r.seq, r.kind, r.t_ns, r.received_ns, label, r.body))
         key = (r.device, r.boot_id)
         boots[key] = min(boots.get(key, r.received_ns), r.received_ns)
@@ -108,6 +159,7 @@ def prepare(rows: Sequence[Row]) -> Batch:
     return Batch(
         messages=messages,
         rows=firsts,
+        points=points,
         repeats=repeats,
         conflicts=conflicts,
         boots=[(d, b, ns) for (d, b), ns in sorted(boots.items())],

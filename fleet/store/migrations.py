@@ -31,6 +31,11 @@ Tables:
   message that arrived, still open after a grace period; see :mod:`fleet.ingest.gapwatch`),
   one row per ``(device, boot_id, first_missing)``, so several workers auditing the same
   rows report each hole once. ``fleet gaps`` still reads the messages themselves.
+- (v7) ``users`` (scrypt password hashes), ``api_tokens`` (sha256 of the secret; the token id
+  is its public half), ``console_sessions`` (sha256 of the cookie) and ``audit`` (every
+  change: who, via what, from where, what, on what, the result); see :mod:`fleet.access`.
+- (v8) ``signal_points``: each telemetry period's statistics per signal, written with the
+  message (a conflicting body adds none), keyed for "one device's signal over a time range".
 """
 
 from __future__ import annotations
@@ -242,12 +247,126 @@ _V6_POSTGRES = """
 ALTER TABLE devices ADD COLUMN model_health_json TEXT NOT NULL DEFAULT '{}'
 """
 
+_V7_SQLITE = """
+CREATE TABLE users (
+    name TEXT PRIMARY KEY,
+    role TEXT NOT NULL,
+    password_hash TEXT NOT NULL,
+    created_ns INTEGER NOT NULL,
+    disabled INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE api_tokens (
+    token_id TEXT PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    role TEXT NOT NULL,
+    secret_hash TEXT NOT NULL,
+    created_ns INTEGER NOT NULL,
+    created_by TEXT NOT NULL,
+    expires_ns INTEGER,
+    revoked_ns INTEGER,
+    last_used_ns INTEGER
+);
+CREATE TABLE console_sessions (
+    secret_hash TEXT PRIMARY KEY,
+    principal TEXT NOT NULL,
+    role TEXT NOT NULL,
+    csrf TEXT NOT NULL,
+    created_ns INTEGER NOT NULL,
+    expires_ns INTEGER NOT NULL
+);
+CREATE TABLE audit (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    t_ns INTEGER NOT NULL,
+    actor TEXT NOT NULL,
+    via TEXT NOT NULL,
+    remote TEXT NOT NULL,
+    action TEXT NOT NULL,
+    target TEXT NOT NULL,
+    detail TEXT NOT NULL,
+    result TEXT NOT NULL
+);
+CREATE INDEX audit_t ON audit (t_ns)
+"""
+
+_V7_POSTGRES = """
+CREATE TABLE users (
+    name TEXT PRIMARY KEY,
+    role TEXT NOT NULL,
+    password_hash TEXT NOT NULL,
+    created_ns BIGINT NOT NULL,
+    disabled BOOLEAN NOT NULL DEFAULT FALSE
+);
+CREATE TABLE api_tokens (
+    token_id TEXT PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    role TEXT NOT NULL,
+    secret_hash TEXT NOT NULL,
+    created_ns BIGINT NOT NULL,
+    created_by TEXT NOT NULL,
+    expires_ns BIGINT,
+    revoked_ns BIGINT,
+    last_used_ns BIGINT
+);
+CREATE TABLE console_sessions (
+    secret_hash TEXT PRIMARY KEY,
+    principal TEXT NOT NULL,
+    role TEXT NOT NULL,
+    csrf TEXT NOT NULL,
+    created_ns BIGINT NOT NULL,
+    expires_ns BIGINT NOT NULL
+);
+CREATE TABLE audit (
+    id BIGSERIAL PRIMARY KEY,
+    t_ns BIGINT NOT NULL,
+    actor TEXT NOT NULL,
+    via TEXT NOT NULL,
+    remote TEXT NOT NULL,
+    action TEXT NOT NULL,
+    target TEXT NOT NULL,
+    detail TEXT NOT NULL,
+    result TEXT NOT NULL
+);
+CREATE INDEX audit_t ON audit (t_ns)
+"""
+
+_V8_SQLITE = """
+CREATE TABLE signal_points (
+    device TEXT NOT NULL,
+    signal TEXT NOT NULL,
+    t_ns INTEGER NOT NULL,
+    boot_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    mean REAL NOT NULL,
+    min REAL NOT NULL,
+    max REAL NOT NULL,
+    n INTEGER NOT NULL,
+    PRIMARY KEY (device, signal, t_ns, boot_id)
+) WITHOUT ROWID
+"""
+
+_V8_POSTGRES = """
+CREATE TABLE signal_points (
+    device TEXT NOT NULL,
+    signal TEXT NOT NULL,
+    t_ns BIGINT NOT NULL,
+    boot_id TEXT NOT NULL,
+    seq BIGINT NOT NULL,
+    mean DOUBLE PRECISION NOT NULL,
+    min DOUBLE PRECISION NOT NULL,
+    max DOUBLE PRECISION NOT NULL,
+    n INTEGER NOT NULL,
+    PRIMARY KEY (device, signal, t_ns, boot_id)
+)
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "registry, boots, messages, quarantine", _V1_SQLITE, _V1_POSTGRES),
     Migration(2, "rollouts, rollout requests, device labels", _V2_SQLITE, _V2_POSTGRES),
     Migration(3, "ingest sessions", _V3_SQLITE, _V3_POSTGRES),
     Migration(5, "gaps the ingest found while it ran", _V5_SQLITE, _V5_POSTGRES),
     Migration(6, "the serving model's health per device", _V6_SQLITE, _V6_POSTGRES),
+    Migration(7, "users, API tokens, console sessions, audit log", _V7_SQLITE, _V7_POSTGRES),
+    Migration(8, "per-signal telemetry series", _V8_SQLITE, _V8_POSTGRES),
 )
 
 #: The schema version this code writes and reads.

@@ -46,6 +46,12 @@ _UPSERT_DEVICES = (
     "last_seen_ns = GREATEST(devices.last_seen_ns, EXCLUDED.last_seen_ns), " + _FIRST_SEEN
 )
 _MESSAGE_COLUMNS = "device, boot_id, seq, kind, t_ns, received_ns, label, body"
+_INSERT_POINTS = (
+    "INSERT INTO signal_points (device, signal, t_ns, boot_id, seq, mean, min, max, n) "
+    "SELECT * FROM unnest(%s::text[], %s::text[], %s::int8[], %s::text[], %s::int8[], "
+    "%s::float8[], %s::float8[], %s::float8[], %s::int4[]) ORDER BY 1, 2, 3, 4 "
+    "ON CONFLICT DO NOTHING"
+)
 _INSERT_MESSAGES = (
     "INSERT INTO messages (device, boot_id, seq, kind, t_ns, received_ns, label, body) "
     "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
@@ -221,6 +227,9 @@ class PostgresStore(SqlStore):
                         "VALUES (%s, %s, %s, %s, %s, %s)",
                         _common.conflict_rows(conflicts),
                     )
+                points = _common.points_without(batch.points, conflicts)
+                if points:
+                    cur.execute(_INSERT_POINTS, tuple(_columns(points, 9)))
                 # One statement per table over arrays, not executemany: that is one server
                 # round of parse, plan and execute per device, which cost more than the COPY
                 # of the whole batch. The keys are unique (prepare merged them), and ORDER BY

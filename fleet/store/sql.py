@@ -1,80 +1,36 @@
 """What the SQLite and PostgreSQL stores run alike: the reads, labels, rollouts and sessions.
 
 :class:`SqlStore` holds every query whose text is the same on both engines once the
-placeholder is chosen; SQL here is written with ``?`` and each backend's :meth:`_sql` gives
-it its own style. A backend supplies the connection (:meth:`SqlStore._run`, which also maps
-the driver's errors to :mod:`fleet.errors`) and the transaction (:meth:`SqlStore._txn`), and
-keeps what really differs: connecting, the ingest's batch write, ``record_state``'s upserts,
-migrations and the ping. The layout is described in ``docs/ARCHITECTURE.md`` ("The store").
+placeholder is chosen (users, tokens and audit: :mod:`fleet.store.access_sql`; the console's reads:
+:mod:`fleet.store.console_sql`). SQL here is
+written with ``?`` and each backend's :meth:`_sql` gives it its own style
+(:mod:`fleet.store.sqlbase`). A backend supplies the connection (:meth:`SqlStore._run`, which
+also maps the driver's errors to :mod:`fleet.errors`) and the transaction
+(:meth:`SqlStore._txn`), and keeps what really differs: connecting, the ingest's batch
+write, ``record_state``'s upserts, migrations and the ping. Layout: docs/ARCHITECTURE.md,
+"The store".
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
-from typing import Any, ClassVar, Protocol, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from fleet.store import _common
+from fleet.store.access_sql import AccessSql
 from fleet.store.base import QUARANTINE_PAYLOAD_MAX, DeviceInfo, Gap, IngestSession, Quarantined
+from fleet.store.console_sql import ConsoleSql
+from fleet.store.sqlbase import Connection, Cursor
 from wire.messages import StateMsg
 
-_T = TypeVar("_T")
 
-
-class Cursor(Protocol):
-    """The part of a DB-API cursor the shared queries use (sqlite3 and psycopg 3 both fit)."""
-
-    @property
-    def rowcount(self) -> int: ...
-
-    def fetchone(self) -> Any: ...
-
-    def fetchall(self) -> list[Any]: ...
-
-    def executemany(self, sql: Any, params: Any, /) -> Any: ...
-
-    def __iter__(self) -> Iterator[Any]: ...
-
-
-class Connection(Protocol):
-    """The part of a connection the shared queries use: ``execute`` and ``cursor``."""
-
-    def execute(self, sql: Any, params: Any = ..., /) -> Any: ...
-
-    def cursor(self) -> Any: ...
-
-
-class SqlStore(ABC):
+class SqlStore(AccessSql, ConsoleSql):
     """The shared half of :class:`fleet.store.base.Store` over a DB-API connection.
 
     Subclasses set :attr:`PARAM` and implement :meth:`_run` and :meth:`_txn`. Every public
     method raises :class:`fleet.errors.FleetStoreError` (or ``StoreRefused``) on failure,
     through :meth:`_run`.
     """
-
-    #: The driver's placeholder: ``?`` (sqlite3) or ``%s`` (psycopg).
-    PARAM: ClassVar[str] = "?"
-
-    url: str
-
-    @abstractmethod
-    def _run(self, what: str, fn: Callable[[Any], _T]) -> _T:
-        """Run ``fn`` on the connection; a driver error becomes a store error naming ``what``."""
-
-    @abstractmethod
-    def _txn(self, db: Any) -> AbstractContextManager[Any]:
-        """A write transaction on ``db``: committed on exit, rolled back on an exception."""
-
-    @classmethod
-    def _sql(cls, text: str) -> Any:
-        """``text`` (written with ``?``) in this driver's placeholder style.
-
-        bytes for psycopg: its typing accepts only literal strings as ``str`` queries, and
-        these are built from constants here."""
-        if cls.PARAM == "?":
-            return text
-        return text.replace("?", cls.PARAM).encode()
 
     # -- registry ----------------------------------------------------------------------------
 

@@ -199,6 +199,11 @@ class SqliteStore(SqlStore):
                         _common.conflict_rows(conflicts),
                     )
                 db.executemany(
+                    "INSERT INTO signal_points (device, signal, t_ns, boot_id, seq, mean, min, "
+                    "max, n) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    _common.points_without(batch.points, conflicts),
+                )
+                db.executemany(
                     "INSERT INTO boots (device, boot_id, first_received_ns) VALUES (?, ?, ?) "
                     "ON CONFLICT (device, boot_id) DO UPDATE SET "
                     "first_received_ns = MIN(first_received_ns, excluded.first_received_ns)",

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from fleet.store import (
-    Store,
+    OperatorStore,
     open_store,
 )
 from tests.support.pg import pg_url, private_schema
@@ -41,7 +41,7 @@ class Backend:
             cur = pg.execute(statement.encode(), params)
             return cur.fetchall() if cur.description else []
 
-    def open(self) -> Store:
+    def open(self) -> OperatorStore:
         store = open_store(self.url)
         store.migrate()
         return store

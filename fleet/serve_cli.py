@@ -1,0 +1,280 @@
+"""``fleet serve``: the ingest workers, and beside them on one event loop the rollout
+service and the HTTP API (:mod:`fleet.services`), until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from fleet.cli_common import (
+    ENV_MQTT_PASSWORD,
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    JsonOpt,
+    StoreOpt,
+    err,
+    fail,
+    store_url,
+)
+from fleet.errors import FleetError, IngestError
+from fleet.services import ApiService, build_api, service_failure, start_services
+from fleet.store import open_store
+
+if TYPE_CHECKING:
+    from fleet.api.server import HttpListen
+    from fleet.ingest import IngestConfig
+    from fleet.rollout.orchestrator import RolloutService
+
+log = logging.getLogger(__name__)
+_fail = fail
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=None, separators=(",", ":")))
+
+
+def serve(
+    store: StoreOpt = None,
+    broker: Annotated[str, typer.Option(help="MQTT broker host:port.")] = "127.0.0.1:1883",
+    workers: Annotated[int, typer.Option(min=1, max=64, help="Ingest workers.")] = 1,
+    connect_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Exit (code 3) if the workers have not reached the broker within this many "
+            "seconds of the start (0: keep trying); later outages are ridden out.",
+        ),
+    ] = 30.0,
+    status_interval: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Seconds between status lines on stderr: workers connected, counts (0: none).",
+        ),
+    ] = 60.0,
+    auto_register: Annotated[
+        bool,
+        typer.Option(
+            "--auto-register/--no-auto-register",
+            help="Add unknown devices to the registry (else quarantine their messages).",
+        ),
+    ] = True,
+    duration: Annotated[
+        float | None, typer.Option(help="Stop after this many seconds (default: run forever).")
+    ] = None,
+    group: Annotated[str, typer.Option(help="Shared-subscription group.")] = "ingest",
+    client_id: Annotated[
+        str,
+        typer.Option(
+            help="Prefix of the workers' MQTT client ids, PREFIX-GROUP-N, each a persistent "
+            "session the store records (default: fleet-ingest-HOSTNAME).",
+        ),
+    ] = "",
+    batch_max: Annotated[int, typer.Option(help="Messages per store transaction.")] = 500,
+    batch_ms: Annotated[int, typer.Option(help="Longest wait to fill a batch (ms).")] = 50,
+    gap_grace: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            max=86_400,
+            help="A hole in a device's seqs is logged as a gap once it is this old (s).",
+        ),
+    ] = 30.0,
+    gap_check: Annotated[
+        float, typer.Option(min=0, max=3_600, help="How often to look for new gaps (s; 0: off).")
+    ] = 5.0,
+    username: Annotated[str | None, typer.Option(help="MQTT user name.")] = None,
+    password_env: Annotated[
+        str, typer.Option(help="Environment variable holding the MQTT password.")
+    ] = ENV_MQTT_PASSWORD,
+    tls_ca: Annotated[Path | None, typer.Option(help="CA bundle to verify the broker.")] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="Client certificate (PEM).")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="Client key (PEM).")] = None,
+    rollouts: Annotated[
+        bool,
+        typer.Option(
+            "--rollouts/--no-rollouts", help="Run the artifact server and the rollout orchestrator."
+        ),
+    ] = True,
+    artifacts: Annotated[
+        Path, typer.Option(envvar="FLEET_ARTIFACTS", help="Directory of published bundles.")
+    ] = Path("artifacts"),
+    artifact_host: Annotated[str, typer.Option(help="Address the artifact server binds.")] = (
+        "127.0.0.1"
+    ),
+    artifact_port: Annotated[int, typer.Option(help="Artifact HTTP port (0: any).")] = 8700,
+    coap_port: Annotated[int, typer.Option(help="Artifact CoAP port (0: any).")] = 5683,
+    advertise: Annotated[
+        str,
+        typer.Option(
+            help="Host name devices use for the artifact server (default: the bind address)."
+        ),
+    ] = "",
+    http: Annotated[
+        str,
+        typer.Option(
+            help="Serve the API (/api/v1), /metrics and the console on HOST:PORT ('off': none)."
+        ),
+    ] = "127.0.0.1:8780",
+    http_cert: Annotated[
+        Path | None, typer.Option(help="Serve --http over TLS with this certificate (PEM).")
+    ] = None,
+    http_key: Annotated[Path | None, typer.Option(help="The key of --http-cert (PEM).")] = None,
+    root: Annotated[
+        Path | None,
+        typer.Option(help="Check bundles uploaded through the API against this root.json."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Ingest devices' MQTT uplink into the store until stopped (SIGTERM / Ctrl-C); with
+    --rollouts (the default) also serve bundles and run the rollouts; with --http (the
+    default) serve the API and the console."""
+    # Imported on use: the read-only commands never load paho.
+    from fleet.ingest import IngestConfig, parse_broker  # noqa: PLC0415
+    from fleet.ingest import serve as run  # noqa: PLC0415
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        host, port = parse_broker(broker)
+        config = IngestConfig(
+            store_url=store_url(store),
+            broker_host=host,
+            broker_port=port,
+            group=group,
+            client_id=client_id,
+            auto_register=auto_register,
+            batch_max=batch_max,
+            batch_ms=batch_ms,
+            gap_grace_s=gap_grace,
+            gap_check_s=gap_check,
+            username=username,
+            password=os.environ.get(password_env) if username else None,
+            tls_ca=str(tls_ca) if tls_ca else None,
+            tls_cert=str(tls_cert) if tls_cert else None,
+            tls_key=str(tls_key) if tls_key else None,
+        )
+    except IngestError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    service_error: list[BaseException] = []
+    try:
+        listen = _listen(http, http_cert, http_key)
+    except FleetError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    try:
+        api = _api(config.store_url, listen, artifacts.resolve(), root) if listen else None
+    except FleetError as exc:
+        _fail(str(exc), EXIT_FAILURE)
+    service = start_services(
+        stop,
+        service_error,
+        rollouts=_rollout_service(
+            config,
+            artifacts=artifacts.resolve(),
+            http=(artifact_host, artifact_port),
+            coap_port=coap_port,
+            advertise=advertise,
+        )
+        if rollouts
+        else None,
+        api=api,
+    )
+    try:
+        stats = run(
+            config,
+            workers=workers,
+            duration=duration,
+            stop=stop,
+            connect_timeout=connect_timeout or None,
+            status_interval=status_interval or None,
+        )
+    except FleetError as exc:
+        _fail(str(exc), EXIT_FAILURE)
+    finally:
+        stop.set()
+        if service is not None:
+            service.join(timeout=5)
+    if service_error:
+        _fail(service_failure(service_error[0]), EXIT_FAILURE)
+    per_worker = [s.as_dict() for s in stats]
+    if as_json:
+        _print_json({"workers": per_worker})
+        return
+    _print_worker_summary(per_worker)
+
+
+def _rollout_service(
+    config: IngestConfig,
+    *,
+    artifacts: Path,
+    http: tuple[str, int],
+    coap_port: int,
+    advertise: str,
+) -> RolloutService:
+    """The artifact server and rollout orchestrator's settings, with the ingest's broker and
+    credentials."""
+    from fleet.rollout.orchestrator import RolloutService  # noqa: PLC0415
+
+    return RolloutService(
+        store_url=config.store_url,
+        artifacts=artifacts,
+        broker_host=config.broker_host,
+        broker_port=config.broker_port,
+        http_host=http[0],
+        http_port=http[1],
+        coap_port=coap_port,
+        advertise=advertise,
+        username=config.username,
+        password=config.password,
+        tls_ca=config.tls_ca,
+        tls_cert=config.tls_cert,
+        tls_key=config.tls_key,
+    )
+
+
+def _listen(http: str, cert: Path | None, key: Path | None) -> HttpListen | None:
+    """``--http`` and its TLS files (None for ``off``); raises FleetError naming the option."""
+    if http.strip().lower() == "off":
+        return None
+    from fleet.api.server import HttpListen, parse_listen  # noqa: PLC0415 - FastAPI on use
+
+    if (cert is None) != (key is None):
+        raise FleetError("--http-cert and --http-key go together")
+    for option, path in (("--http-cert", cert), ("--http-key", key)):
+        if path is not None and not path.is_file():
+            raise FleetError(f"{option} {path}: no such file")
+    host, port = parse_listen(http)
+    return HttpListen(host, port, cert, key)
+
+
+def _api(url: str, listen: HttpListen, artifacts: Path, root: Path | None) -> ApiService:
+    """The API on its bound socket, its store migrated first (no request meets a schema
+    older than the code). Raises FleetError (``ApiPortInUse``, a store failure)."""
+    st = open_store(url)
+    try:
+        st.migrate()
+    finally:
+        st.close()
+    return build_api(url, listen, artifacts=artifacts, root_json=root)
+
+
+def _print_worker_summary(per_worker: list[dict[str, Any]]) -> None:
+    for i, s in enumerate(per_worker):
+        q = sum(s["quarantined"].values())
+        err.print(
+            f"worker {i}: received {s['received']}, stored {s['stored']}, duplicates "
+            f"{s['duplicates']}, conflicts {s['conflicts']} (quarantined), quarantined {q}, "
+            f"batches {s['batches']}, dropped {s['dropped']} (redelivered), dropped QoS 0 "
+            f"{s['dropped_qos0']} (lost), gaps {s['gaps']} ({s['gap_seqs']} messages never "
+            "arrived)",
+            markup=False,
+        )
