@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from fleet.store import OperatorStore, Quarantined, Row
+from fleet.store.console_sql import DeviceFilter
 from tests.support.api import Api, Clock, running_api
 from tests.support.fleet import SITE, boot_id, decision, state, telemetry
 from tests.support.ota import Signer, model_members
@@ -435,6 +436,35 @@ def test_console_reads_on_both_stores(backend: Backend) -> None:
         buckets = st.series("gw-0", "temp_c", since_ns=T0, until_ns=T0 + 61 * S, bucket_ns=30 * S)
         assert [b.points for b in buckets] == [29, 30, 1]
         assert st.series("gw-3", "a", since_ns=T0, until_ns=T0 + S, bucket_ns=S)[0].points == 1
+        # A redelivery in a later batch adds no point, and nothing to the minute rollups.
+        assert st.ingest([_row(many, "telemetry", T0 + S)]).duplicates == 1
+        (minute,) = st.series("gw-3", "a", since_ns=T0, until_ns=T0 + S, bucket_ns=60 * S)
+        assert (minute.points, minute.min, minute.max, minute.mean) == (1, 0.0, 2.0, 1.0)
+        # Over whole minutes the rollups hold what the points hold.
+        fine = st.series("gw-0", "motor_rpm", since_ns=T0, until_ns=T0 + 180 * S, bucket_ns=S)
+        coarse = st.series("gw-0", "motor_rpm", since_ns=T0, until_ns=T0 + 180 * S,
+                           bucket_ns=90 * S)  # fmt: skip
+        assert sum(b.points for b in coarse) == sum(b.points for b in fine) == 60
+        assert min(b.min for b in coarse) == 1400.0
+        weighted = sum(b.mean * b.points for b in coarse) / 60
+        assert weighted == pytest.approx(sum(1500 + k for k in range(1, 61)) / 60)
+        st.register_device("gw_x%", SITE)
+        names = [d.device for d, _, _ in st.devices_page(DeviceFilter(q="_"))]
+        assert names == ["gw_x%"]  # LIKE's wildcards are literal in a search
+        desc = DeviceFilter(sort="device", desc=True)
+        first = st.devices_page(desc, limit=2)
+        rest = st.devices_page(desc, after=(first[-1][0].device, first[-1][0].device))
+        assert [d.device for d, _, _ in first + rest] == [
+            "gw_x%",
+            *(f"gw-{i}" for i in range(4, -1, -1)),
+        ]
+        on = st.devices_page(DeviceFilter(online=True, tier="normal", q="GW-"))
+        assert [(d.device, g, t) for d, g, t in on] == [
+            ("gw-0", "", "normal"),
+            ("gw-2", "", "normal"),
+            ("gw-4", "", "normal"),
+        ]
+        assert [d.device for d, _, _ in st.devices_page(DeviceFilter(group="line-1"))] == ["gw-1"]
         page = st.decisions_page(device="gw-0", limit=3)
         nxt = st.decisions_page(
             device="gw-0", before=(page[-1][1], page[-1][0], page[-1][2]), limit=3

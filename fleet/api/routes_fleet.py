@@ -15,6 +15,7 @@ from fleet.api.problems import ApiProblem
 from fleet.changes import Changes
 from fleet.rollout.orchestrator import load
 from fleet.store import DeviceInfo
+from fleet.store.console_sql import DeviceFilter, bucket_of
 
 router = APIRouter()
 
@@ -28,20 +29,6 @@ Limit = Annotated[int, Query(ge=1, le=1000)]
 SortKey = Literal[
     "device", "site", "last_seen", "version", "-device", "-site", "-last_seen", "-version"
 ]
-
-
-def _sort_value(d: DeviceInfo, key: str) -> Any:
-    if key == "site":
-        return d.site
-    if key == "last_seen":
-        return d.last_seen_ns or 0
-    if key == "version":
-        return d.agent_version
-    return d.device
-
-
-def _beyond(k: tuple[Any, str], after: tuple[Any, ...], desc: bool) -> bool:
-    return k < after if desc else k > after
 
 
 @router.get("/devices", response_model=v.DevicePage, summary="List devices")
@@ -60,37 +47,34 @@ def devices(  # noqa: PLR0917 - query parameters
     cursor: str | None = None,
 ) -> v.DevicePage:
     """Registered devices matching every filter given, sorted, a page at a time."""
-    with ctx.pool.store() as st:
-        rows = st.devices()
-        labels = st.labels()
-    key, desc = sort.lstrip("-"), sort.startswith("-")
-
-    def keep(d: DeviceInfo) -> bool:
-        group, tr = labels.get(d.device, ("", "normal"))
-        return (
-            (site is None or d.site == site)
-            and (tier is None or tr == tier)
-            and (type is None or d.device_type == type)
-            and (online is None or d.online == online)
-            and (version is None or d.agent_version == version)
-            and (label is None or group == label)
-            and (q is None or q.lower() in d.device.lower())
-        )
-
-    chosen = sorted(
-        (d for d in rows if keep(d)), key=lambda d: (_sort_value(d, key), d.device), reverse=desc
-    )
+    f = DeviceFilter(
+        site=site, tier=tier, device_type=type, online=online, version=version, group=label,
+        q=q, sort=sort.lstrip("-"), desc=sort.startswith("-"),
+    )  # fmt: skip
+    after = None
     if cursor is not None:
-        after = tuple(v.decode_cursor(cursor, 2))
-        chosen = [d for d in chosen if _beyond((_sort_value(d, key), d.device), after, desc)]
-    page = chosen[:limit]
-    nxt = (
-        v.encode_cursor([_sort_value(page[-1], key), page[-1].device])
-        if len(chosen) > limit
-        else None
-    )
-    items = [v.device_view(d, labels.get(d.device, ("", "normal"))) for d in page]
-    return v.DevicePage(items=items, next=nxt)
+        value, name = v.decode_cursor(cursor, 2)
+        if not isinstance(name, str):
+            raise ApiProblem(400, "malformed cursor", "query.cursor")
+        after = (value, name)
+    with ctx.pool.store() as st:
+        rows = st.devices_page(f, after=after, limit=limit + 1)
+    page = rows[:limit]
+    nxt = None
+    if len(rows) > limit:
+        last = page[-1][0]
+        nxt = v.encode_cursor([_sort_value(last, f.sort), last.device])
+    return v.DevicePage(items=[v.device_view(d, (g, t)) for d, g, t in page], next=nxt)
+
+
+def _sort_value(d: DeviceInfo, key: str) -> Any:
+    if key == "site":
+        return d.site
+    if key == "last_seen":
+        return d.last_seen_ns or 0
+    if key == "version":
+        return d.agent_version
+    return d.device
 
 
 @router.get("/devices/{device}", response_model=v.DeviceDetail, summary="One device")
@@ -156,7 +140,7 @@ def telemetry(  # noqa: PLR0917 - query parameters
     """``signal`` of ``device`` over ``[since, until)`` (default: the last hour), cut into
     at most ``points`` buckets, each with min, max and mean (weighted by samples)."""
     start, end = _range(since, until, ctx.clock())
-    bucket = max(1, -(-(end - start) // points))
+    bucket = bucket_of(max(1, -(-(end - start) // points)))
     with ctx.pool.store() as st:
         if st.device(device) is None:
             raise ApiProblem(404, f"no device {device!r} in the registry", "path.device")

@@ -82,6 +82,45 @@ def points_without(points: list[Point], rows: Sequence[Row]) -> list[Point]:
     return [p for p in points if (p[0], p[3], p[4]) not in bad]
 
 
+#: What the points insert returns of each point it inserted: device, signal, t_ns, mean,
+#: min, max, n.
+NewPoint = tuple[str, str, int, float, float, float, int]
+MINUTE_NS = 60_000_000_000
+#: Rows per multi-row points insert (9 parameters each; SQLite takes 32,766).
+POINTS_CHUNK = 1000
+
+
+def minute_rollups(new: Sequence[Sequence[Any]]) -> list[tuple[Any, ...]]:
+    """The ``signal_minutes`` additions of the points an ingest inserted, sorted by key
+    (lock order): device, signal, minute, min, max, sum of mean x n, sum of n, sum of mean,
+    points."""
+    acc: dict[tuple[str, str, int], list[Any]] = {}
+    for device, signal, t_ns, mean, lo, hi, n in new:
+        key = (device, signal, int(t_ns) // MINUTE_NS)
+        a = acc.get(key)
+        if a is None:
+            acc[key] = [lo, hi, mean * n, n, mean, 1]
+        else:
+            a[0] = min(a[0], lo)
+            a[1] = max(a[1], hi)
+            a[2] += mean * n
+            a[3] += n
+            a[4] += mean
+            a[5] += 1
+    return [(*k, *v) for k, v in sorted(acc.items())]
+
+
+def points_insert_sql(rows: int) -> str:
+    """A multi-row points insert (SQLite) returning what it inserted: a redelivered
+    message's points conflict and are not returned, so the rollups never count them twice."""
+    values = ",".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?)"] * rows)
+    return (
+        "INSERT INTO signal_points (device, signal, t_ns, boot_id, seq, mean, min, max, n) "  # noqa: S608 - placeholders only
+        f"VALUES {values} ON CONFLICT DO NOTHING "
+        "RETURNING device, signal, t_ns, mean, min, max, n"
+    )
+
+
 @dataclass(slots=True)
 class Batch:
     """One ingest batch, prepared for the SQL of either backend.

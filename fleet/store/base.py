@@ -18,7 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 if TYPE_CHECKING:
     from fleet.access import AuditEntry, TokenInfo, UserInfo
-    from fleet.store.console_sql import Bucket
+    from fleet.store.console_sql import Bucket, DeviceFilter
     from wire.messages import StateMsg
 
 #: The data kinds a :class:`Row` may hold (the seq-numbered streams of the wire contract).
@@ -321,6 +321,9 @@ class OperatorStore(Store, Protocol):
     and the audit log (schema v7, :mod:`fleet.store.access_sql`; ``AccessError`` for a taken
     or unknown name) and the console's reads (:mod:`fleet.store.console_sql`)."""
 
+    def devices_page(
+        self, f: DeviceFilter, *, after: tuple[Any, str] | None = None, limit: int = 100
+    ) -> list[tuple[DeviceInfo, str, str]]: ...
     def signals(self, device: str) -> list[str]: ...
     def series(
         self, device: str, signal: str, *, since_ns: int, until_ns: int, bucket_ns: int

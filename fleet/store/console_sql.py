@@ -9,11 +9,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fleet.store.base import Quarantined
+from fleet.store import _common
+from fleet.store.base import DeviceInfo, Quarantined
 from fleet.store.sqlbase import Connection, SqlBase
 
 #: The newest row's key sorts below this; a first page starts under it.
 _TOP = 2**63 - 1
+MINUTE_NS = 60_000_000_000
+
+
+def bucket_of(bucket_ns: int) -> int:
+    """The bucket :meth:`ConsoleSql.series` uses for ``bucket_ns``: whole minutes from a
+    minute up (read from the minute rollups: 1,440 rows a day instead of 86,400 points at
+    1 Hz), as asked below."""
+    if bucket_ns < MINUTE_NS:
+        return max(1, bucket_ns)
+    return -(-bucket_ns // MINUTE_NS) * MINUTE_NS
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +44,75 @@ def _bucket(r: Sequence[Any]) -> Bucket:
     return Bucket(int(r[0]), int(r[1]), float(r[2]), float(r[3]), float(r[4]), int(r[5]))
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceFilter:
+    """Which devices a page holds: each field given must match (``q``: part of the name,
+    any case); sorted by ``sort`` (``device``, ``site``, ``last_seen``, ``version``) then
+    name, descending with ``desc``."""
+
+    site: str | None = None
+    tier: str | None = None
+    device_type: str | None = None
+    online: bool | None = None
+    version: str | None = None
+    group: str | None = None
+    q: str | None = None
+    sort: str = "device"
+    desc: bool = False
+
+
+_SORT_SQL = {
+    "device": "d.device",
+    "site": "d.site",
+    "last_seen": "COALESCE(d.last_seen_ns, 0)",
+    "version": "d.agent_version",
+}
+_EQUALS = (
+    ("site", "d.site"), ("tier", "d.tier"), ("device_type", "d.device_type"),
+    ("online", "d.online"), ("version", "d.agent_version"), ("group", "d.group_name"),
+)  # fmt: skip
+
+
+def _like(text: str) -> str:
+    escaped = text.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
+
+
 class ConsoleSql(SqlBase):
-    """Reads for people: series, pages of decisions, OTA history and quarantine."""
+    """Reads for people: devices, series, pages of decisions, OTA history and quarantine."""
+
+    def devices_page(
+        self, f: DeviceFilter, *, after: tuple[Any, str] | None = None, limit: int = 100
+    ) -> list[tuple[DeviceInfo, str, str]]:
+        """``(device, group, tier)`` of one page of the devices ``f`` matches, in its order;
+        ``after`` is the last row's ``(sort value, name)`` of the previous page. Filtered,
+        sorted and cut in SQL: a page costs the same with 100 or 10,000 devices."""
+        key = _SORT_SQL[f.sort]
+        where: list[str] = []
+        args: list[Any] = []
+        for field, column in _EQUALS:
+            value = getattr(f, field)
+            if value is not None:
+                where.append(f"{column} = ?")
+                args.append(value)
+        if f.q:
+            where.append("LOWER(d.device) LIKE ? ESCAPE '\\'")
+            args.append(_like(f.q))
+        if after is not None:
+            where.append(f"({key}, d.device) {'<' if f.desc else '>'} (?, ?)")
+            args += after
+        order = "DESC" if f.desc else "ASC"
+        sql = self._sql(
+            _common.DEVICE_SELECT.replace("FROM devices d", ", d.group_name, d.tier FROM devices d")
+            + (" WHERE " + " AND ".join(where) if where else "")
+            + f" ORDER BY {key} {order}, d.device {order} LIMIT ?"
+        )
+        args.append(limit)
+
+        def go(db: Connection) -> list[tuple[DeviceInfo, str, str]]:
+            return [(_common.device_info(r), r[12], r[13]) for r in db.execute(sql, tuple(args))]
+
+        return self._run("devices_page", go)
 
     def signals(self, device: str) -> list[str]:
         """The signals ``device`` has points for, by name (an index skip-scan: one probe
@@ -52,14 +130,43 @@ class ConsoleSql(SqlBase):
         self, device: str, signal: str, *, since_ns: int, until_ns: int, bucket_ns: int
     ) -> list[Bucket]:
         """``signal`` of ``device`` over ``[since_ns, until_ns)`` in buckets of ``bucket_ns``
-        (min of mins, max of maxes, mean weighted by samples), oldest first."""
+        (min of mins, max of maxes, mean weighted by samples), oldest first. Buckets of a
+        minute or more are made of whole minutes from ``signal_minutes`` (see
+        :func:`bucket_of`), shorter ones from the points themselves."""
+        bucket = bucket_of(bucket_ns)
+        if bucket >= MINUTE_NS:
+            sql = self._sql(
+                "SELECT MIN(minute), MAX(minute), MIN(min), MAX(max), CASE WHEN SUM(sum_n) > 0 "
+                "THEN SUM(sum_wmean) / SUM(sum_n) ELSE SUM(sum_mean) / SUM(points) END, "
+                "SUM(points) FROM signal_minutes WHERE device = ? AND signal = ? AND "
+                "minute >= ? AND minute < ? GROUP BY (minute - ?) / ? ORDER BY 1"
+            )
+            first = since_ns // MINUTE_NS
+            args: tuple[Any, ...] = (
+                device, signal, first, -(-until_ns // MINUTE_NS), first, bucket // MINUTE_NS,
+            )  # fmt: skip
+
+            def minutes(db: Connection) -> list[Bucket]:
+                return [
+                    Bucket(
+                        int(r[0]) * MINUTE_NS,
+                        (int(r[1]) + 1) * MINUTE_NS - 1,
+                        float(r[2]),
+                        float(r[3]),
+                        float(r[4]),
+                        int(r[5]),
+                    )
+                    for r in db.execute(sql, args).fetchall()
+                ]
+
+            return self._run("series", minutes)
         sql = self._sql(
             "SELECT MIN(t_ns), MAX(t_ns), MIN(min), MAX(max), "
             "CASE WHEN SUM(n) > 0 THEN SUM(mean * n) / SUM(n) ELSE AVG(mean) END, COUNT(*) "
             "FROM signal_points WHERE device = ? AND signal = ? AND t_ns >= ? AND t_ns < ? "
             "GROUP BY (t_ns - ?) / ? ORDER BY 1"
         )
-        args = (device, signal, since_ns, until_ns, since_ns, max(1, bucket_ns))
+        args = (device, signal, since_ns, until_ns, since_ns, bucket)
         return self._run(
             "series", lambda db: [_bucket(r) for r in db.execute(sql, args).fetchall()]
         )

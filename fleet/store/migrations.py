@@ -35,7 +35,9 @@ Tables:
   is its public half), ``console_sessions`` (sha256 of the cookie) and ``audit`` (every
   change: who, via what, from where, what, on what, the result); see :mod:`fleet.access`.
 - (v8) ``signal_points``: each telemetry period's statistics per signal, written with the
-  message (a conflicting body adds none), keyed for "one device's signal over a time range".
+  message (a conflicting body adds none), keyed for "one device's signal over a time range";
+  ``signal_minutes``: the same per minute (``minute`` = t_ns // 60 s), added to by exactly the
+  points each ingest inserted (so a redelivery adds nothing), for charts over hours and days.
 """
 
 from __future__ import annotations
@@ -341,6 +343,18 @@ CREATE TABLE signal_points (
     max REAL NOT NULL,
     n INTEGER NOT NULL,
     PRIMARY KEY (device, signal, t_ns, boot_id)
+) WITHOUT ROWID;
+CREATE TABLE signal_minutes (
+    device TEXT NOT NULL,
+    signal TEXT NOT NULL,
+    minute INTEGER NOT NULL,
+    min REAL NOT NULL,
+    max REAL NOT NULL,
+    sum_wmean REAL NOT NULL,
+    sum_n INTEGER NOT NULL,
+    sum_mean REAL NOT NULL,
+    points INTEGER NOT NULL,
+    PRIMARY KEY (device, signal, minute)
 ) WITHOUT ROWID
 """
 
@@ -356,6 +370,18 @@ CREATE TABLE signal_points (
     max DOUBLE PRECISION NOT NULL,
     n INTEGER NOT NULL,
     PRIMARY KEY (device, signal, t_ns, boot_id)
+);
+CREATE TABLE signal_minutes (
+    device TEXT NOT NULL,
+    signal TEXT NOT NULL,
+    minute BIGINT NOT NULL,
+    min DOUBLE PRECISION NOT NULL,
+    max DOUBLE PRECISION NOT NULL,
+    sum_wmean DOUBLE PRECISION NOT NULL,
+    sum_n BIGINT NOT NULL,
+    sum_mean DOUBLE PRECISION NOT NULL,
+    points BIGINT NOT NULL,
+    PRIMARY KEY (device, signal, minute)
 )
 """
 

@@ -50,7 +50,20 @@ _INSERT_POINTS = (
     "INSERT INTO signal_points (device, signal, t_ns, boot_id, seq, mean, min, max, n) "
     "SELECT * FROM unnest(%s::text[], %s::text[], %s::int8[], %s::text[], %s::int8[], "
     "%s::float8[], %s::float8[], %s::float8[], %s::int4[]) ORDER BY 1, 2, 3, 4 "
-    "ON CONFLICT DO NOTHING"
+    "ON CONFLICT DO NOTHING RETURNING device, signal, t_ns, mean, min, max, n"
+)
+#: Adds the minute rollups of the points just inserted (a redelivery's points were not).
+_UPSERT_MINUTES = (
+    "INSERT INTO signal_minutes (device, signal, minute, min, max, sum_wmean, sum_n, sum_mean, "
+    "points) SELECT * FROM unnest(%s::text[], %s::text[], %s::int8[], %s::float8[], "
+    "%s::float8[], %s::float8[], %s::int8[], %s::float8[], %s::int8[]) ORDER BY 1, 2, 3 "
+    "ON CONFLICT (device, signal, minute) DO UPDATE SET "
+    "min = LEAST(signal_minutes.min, EXCLUDED.min), "
+    "max = GREATEST(signal_minutes.max, EXCLUDED.max), "
+    "sum_wmean = signal_minutes.sum_wmean + EXCLUDED.sum_wmean, "
+    "sum_n = signal_minutes.sum_n + EXCLUDED.sum_n, "
+    "sum_mean = signal_minutes.sum_mean + EXCLUDED.sum_mean, "
+    "points = signal_minutes.points + EXCLUDED.points"
 )
 _INSERT_MESSAGES = (
     "INSERT INTO messages (device, boot_id, seq, kind, t_ns, received_ns, label, body) "
@@ -230,6 +243,8 @@ class PostgresStore(SqlStore):
                 points = _common.points_without(batch.points, conflicts)
                 if points:
                     cur.execute(_INSERT_POINTS, tuple(_columns(points, 9)))
+                    minutes = _common.minute_rollups(cur.fetchall())
+                    cur.execute(_UPSERT_MINUTES, tuple(_columns(minutes, 9)))
                 # One statement per table over arrays, not executemany: that is one server
                 # round of parse, plan and execute per device, which cost more than the COPY
                 # of the whole batch. The keys are unique (prepare merged them), and ORDER BY

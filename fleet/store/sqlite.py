@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from fleet.errors import FleetStoreError, SchemaTooNew, StoreRefused
@@ -198,11 +198,7 @@ class SqliteStore(SqlStore):
                         "VALUES (?, ?, ?, ?, ?, ?)",
                         _common.conflict_rows(conflicts),
                     )
-                db.executemany(
-                    "INSERT INTO signal_points (device, signal, t_ns, boot_id, seq, mean, min, "
-                    "max, n) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                    _common.points_without(batch.points, conflicts),
-                )
+                self._insert_points(db, _common.points_without(batch.points, conflicts))
                 db.executemany(
                     "INSERT INTO boots (device, boot_id, first_received_ns) VALUES (?, ?, ?) "
                     "ON CONFLICT (device, boot_id) DO UPDATE SET "
@@ -225,6 +221,25 @@ class SqliteStore(SqlStore):
             return IngestResult(inserted, len(rows) - inserted - n, n)
 
         return self._run("ingest", go)
+
+    @staticmethod
+    def _insert_points(db: sqlite3.Connection, points: list[_common.Point]) -> None:
+        """The points, and the minute rollups of those that were new."""
+        new: list[tuple[Any, ...]] = []
+        step = _common.POINTS_CHUNK
+        for i in range(0, len(points), step):
+            chunk = points[i : i + step]
+            flat = [v for p in chunk for v in p]
+            new += db.execute(_common.points_insert_sql(len(chunk)), flat).fetchall()
+        db.executemany(
+            "INSERT INTO signal_minutes (device, signal, minute, min, max, sum_wmean, sum_n, "
+            "sum_mean, points) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (device, signal, minute) DO UPDATE SET "
+            "min = MIN(min, excluded.min), max = MAX(max, excluded.max), "
+            "sum_wmean = sum_wmean + excluded.sum_wmean, sum_n = sum_n + excluded.sum_n, "
+            "sum_mean = sum_mean + excluded.sum_mean, points = points + excluded.points",
+            _common.minute_rollups(new),
+        )
 
     @staticmethod
     def _conflicting(db: sqlite3.Connection, batch: _common.Batch) -> list[Row]:
