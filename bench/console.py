@@ -108,7 +108,7 @@ def populate(st: OperatorStore, devices: int, charted: int, now_ns: int) -> dict
         "devices": devices,
         "charted_devices": charted,
         "telemetry_messages": rows,
-        "signal_points": rows * len(SIGNALS),
+        "signal_minutes": charted * len(SIGNALS) * (DAY_S // 60 + 1),
         "populate_s": round(time.perf_counter() - started, 1),
     }
 

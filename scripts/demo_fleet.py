@@ -38,6 +38,7 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
@@ -54,6 +55,17 @@ VAR = REPO / "var" / "demo-fleet"
 SITE = "demo-plant"
 DEVICE_TYPE = "motor-drive-gw"
 SLOW_MODEL = REPO / "models" / "motor_drive_slow"
+CONSOLE_PORT = 8780
+
+
+def console_port() -> int:
+    """The console's usual port (8780) when it is free here, else any free one."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", CONSOLE_PORT))
+        except OSError:
+            return free_port()
+    return CONSOLE_PORT
 
 
 def free_port() -> int:
@@ -80,6 +92,8 @@ class Demo:
     events: list[str] = field(default_factory=list)
     store_url: str = f"sqlite://{VAR / 'fleet.db'}"
     phase: str = "starting"
+    #: Where the console is and the token to sign in with (shown all along the live view).
+    console_line: str = ""
     #: What rollout_events() has reported already.
     seen: dict[tuple[object, ...], object] = field(default_factory=dict)
 
@@ -96,7 +110,7 @@ class Demo:
         self.note(f"$ fleet {' '.join(args)}")
         res = subprocess.run(
             [str(BIN / "fleet"), *args, "--store", self.store_url] if args[0] in (
-                "rollout", "devices") else [str(BIN / "fleet"), *args],
+                "rollout", "devices", "tokens") else [str(BIN / "fleet"), *args],
             capture_output=True, text=True, cwd=REPO, check=False,
         )  # fmt: skip
         if res.returncode != 0:
@@ -174,7 +188,9 @@ class Demo:
                 str(c.get("failed", 0) + c.get("rolled_back", 0)), (r.reason or "")[:70],
             )  # fmt: skip
         return Group(
-            Panel(f"[bold]{self.phase}[/bold]", title="EdgeFleet demo"),
+            Panel(
+                f"[bold]{self.phase}[/bold]\n{escape(self.console_line)}", title="EdgeFleet demo"
+            ),
             devices,
             rollouts,
             Panel("\n".join(self.events[-12:]) or "-", title="what happened"),
@@ -267,13 +283,17 @@ def main() -> int:  # noqa: PLR0915 - the demo's story, step by step, as the rea
         demo.note(f"broker: mosquitto on 127.0.0.1:{broker}")
         demo.fleet("keys", "init", "--dir", str(VAR / "keys"))
         root = VAR / "keys" / "root.json"
+        token = demo.fleet("tokens", "create", "--name", "demo-viewer", "--role", "viewer").strip()
+        http = console_port()
         demo.spawn(
             [str(BIN / "fleet"), "serve", "--store", demo.store_url, "--broker",
              f"127.0.0.1:{broker}", "--artifacts", str(VAR / "artifacts"), "--artifact-port",
-             str(free_port()), "--coap-port", str(free_port())],
+             str(free_port()), "--coap-port", str(free_port()), "--http", f"127.0.0.1:{http}"],
             "fleet-serve.log",
         )  # fmt: skip
-        demo.note("fleet serve: ingest, artifact server, rollout orchestrator")
+        demo.note("fleet serve: ingest, artifact server, rollout orchestrator, API and console")
+        demo.console_line = f"console: http://127.0.0.1:{http}/  viewer token: {token}"
+        demo.note(demo.console_line)
         for i in range(args.agents):
             name = f"gw-{i + 1:02d}"
             g = Gateway(name, free_port())
@@ -383,6 +403,8 @@ def summary(demo: Demo, seconds: float) -> None:
                 f"{cnt.get('rolled_back', 0) + cnt.get('failed', 0)} rolled back or failed"
                 + (f"; {r.reason}" if r.reason else ""), highlight=False)  # fmt: skip
     c.print(f"{seconds:.0f} s; logs and state in {VAR.relative_to(REPO)}/", highlight=False)
+    if demo.console_line:
+        c.print(f"{demo.console_line} (while the demo ran)", highlight=False, markup=False)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,15 @@ regression and its canary is back on v2, and the demo leaves no process behind."
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import psutil
 import pytest
+
+from fleet.store import open_store
 
 pytestmark = pytest.mark.peers
 
@@ -33,6 +36,18 @@ def test_the_fleet_demo_tells_the_whole_story() -> None:
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "fleet keys init" in out
     assert "fleet rollout create" in out
+    # Where to watch it: the console's address and a viewer token that the store knows.
+    console = re.search(r"console: http://127\.0\.0\.1:(\d+)/  viewer token: (eft_\S+)", out)
+    assert console, out[-3000:]
+    serve_log = (REPO / "var" / "demo-fleet" / "logs" / "fleet-serve.log").read_text()
+    assert f"api: http://127.0.0.1:{console[1]}/" in serve_log, serve_log[-2000:]
+    store = open_store(f"sqlite://{REPO / 'var' / 'demo-fleet' / 'fleet.db'}")
+    try:
+        (token,) = [t for t in store.tokens() if t.name == "demo-viewer"]
+    finally:
+        store.close()
+    assert token.role == "viewer"
+    assert console[2].startswith(f"eft_{token.token_id}_")
     summary = out[out.index("summary") :]
     assert "gw-01 runs model 2.0.0, gw-02 runs model 2.0.0, gw-03 runs model 2.0.0" in summary
     assert "(model-2.0.0 2.0.0): completed; 3/3 committed" in summary

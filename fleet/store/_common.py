@@ -74,29 +74,38 @@ def points_of(r: Row) -> list[Point]:
     return out
 
 
-def points_without(points: list[Point], rows: Sequence[Row]) -> list[Point]:
-    """``points`` less those of ``rows`` (conflicts: their first body's points stand)."""
-    if not rows:
-        return points
-    bad = {(r.device, r.boot_id, r.seq) for r in rows}
-    return [p for p in points if (p[0], p[3], p[4]) not in bad]
+def signal_stats(body: bytes, signal: str) -> list[tuple[int, float, float, float, int]]:
+    """``(t_ns, mean, min, max, n)`` of ``signal`` in each period of a telemetry body that
+    has it (finite statistics only); none for a body that is not telemetry."""
+    try:
+        bits = _TELEMETRY.decode(body)
+    except (msgspec.DecodeError, ValueError):
+        return []
+    out = []
+    periods = [(bits.t_ns, bits.signals)] + [(p.t_ns, p.signals) for p in bits.more]
+    for t_ns, signals in periods:
+        s = signals.get(signal)
+        if s is not None and math.isfinite(s[0]) and math.isfinite(s[1]) and math.isfinite(s[2]):
+            out.append((t_ns, s[0], s[1], s[2], s[4]))
+    return out
 
 
-#: What the points insert returns of each point it inserted: device, signal, t_ns, mean,
-#: min, max, n.
-NewPoint = tuple[str, str, int, float, float, float, int]
 MINUTE_NS = 60_000_000_000
-#: Rows per multi-row points insert (9 parameters each; SQLite takes 32,766).
-POINTS_CHUNK = 1000
 
 
-def minute_rollups(new: Sequence[Sequence[Any]]) -> list[tuple[Any, ...]]:
-    """The ``signal_minutes`` additions of the points an ingest inserted, sorted by key
-    (lock order): device, signal, minute, min, max, sum of mean x n, sum of n, sum of mean,
-    points."""
+def minute_rollups(
+    points: Sequence[Point], new: set[tuple[str, str, int]], messages: int
+) -> list[tuple[Any, ...]]:
+    """The ``signal_minutes`` additions of the points of the messages just inserted
+    (``new``: their keys; all of them when ``len(new) == messages``), sorted by key (lock
+    order): device, signal, minute, min, max, sum of mean x n, sum of n, sum of mean,
+    points. A redelivered or conflicting message was not inserted, so it adds nothing."""
+    everything = len(new) == messages
     acc: dict[tuple[str, str, int], list[Any]] = {}
-    for device, signal, t_ns, mean, lo, hi, n in new:
-        key = (device, signal, int(t_ns) // MINUTE_NS)
+    for device, signal, t_ns, boot, seq, mean, lo, hi, n in points:
+        if not everything and (device, boot, seq) not in new:
+            continue
+        key = (device, signal, t_ns // MINUTE_NS)
         a = acc.get(key)
         if a is None:
             acc[key] = [lo, hi, mean * n, n, mean, 1]
@@ -108,17 +117,6 @@ def minute_rollups(new: Sequence[Sequence[Any]]) -> list[tuple[Any, ...]]:
             a[4] += mean
             a[5] += 1
     return [(*k, *v) for k, v in sorted(acc.items())]
-
-
-def points_insert_sql(rows: int) -> str:
-    """A multi-row points insert (SQLite) returning what it inserted: a redelivered
-    message's points conflict and are not returned, so the rollups never count them twice."""
-    values = ",".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?)"] * rows)
-    return (
-        "INSERT INTO signal_points (device, signal, t_ns, boot_id, seq, mean, min, max, n) "  # noqa: S608 - placeholders only
-        f"VALUES {values} ON CONFLICT DO NOTHING "
-        "RETURNING device, signal, t_ns, mean, min, max, n"
-    )
 
 
 @dataclass(slots=True)

@@ -5,7 +5,6 @@ Layout: docs/ARCHITECTURE.md, "The fleet API"."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +39,28 @@ class Bucket:
     points: int
 
 
-def _bucket(r: Sequence[Any]) -> Bucket:
-    return Bucket(int(r[0]), int(r[1]), float(r[2]), float(r[3]), float(r[4]), int(r[5]))
+#: How far before a range the series of short buckets reads messages: a message's later
+#: periods (``more``) may fall in the range though its own time is before it.
+LOOKBACK_NS = 10 * 60_000_000_000
+
+
+def _add(acc: dict[int, list[Any]], k: int, stat: tuple[int, float, float, float, int]) -> None:
+    t, mean, lo, hi, n = stat
+    a = acc.get(k)
+    if a is None:
+        acc[k] = [t, t, lo, hi, mean * n, n, mean, 1]
+        return
+    a[0], a[1] = min(a[0], t), max(a[1], t)
+    a[2], a[3] = min(a[2], lo), max(a[3], hi)
+    a[4] += mean * n
+    a[5] += n
+    a[6] += mean
+    a[7] += 1
+
+
+def _bucket_of(a: list[Any]) -> Bucket:
+    mean = a[4] / a[5] if a[5] > 0 else a[6] / a[7]
+    return Bucket(a[0], a[1], float(a[2]), float(a[3]), float(mean), a[7])
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +137,8 @@ class ConsoleSql(SqlBase):
         """The signals ``device`` has points for, by name (an index skip-scan: one probe
         per signal, not a scan of the series)."""
         sql = self._sql(
-            "WITH RECURSIVE s(x) AS (SELECT MIN(signal) FROM signal_points WHERE device = ? "
-            "UNION ALL SELECT (SELECT MIN(signal) FROM signal_points WHERE device = ? AND "
+            "WITH RECURSIVE s(x) AS (SELECT MIN(signal) FROM signal_minutes WHERE device = ? "
+            "UNION ALL SELECT (SELECT MIN(signal) FROM signal_minutes WHERE device = ? AND "
             "signal > s.x) FROM s WHERE s.x IS NOT NULL) SELECT x FROM s WHERE x IS NOT NULL"
         )
         return self._run(
@@ -160,16 +179,23 @@ class ConsoleSql(SqlBase):
                 ]
 
             return self._run("series", minutes)
+        # Under a minute: the messages themselves (a range of at most a few hours), read
+        # from LOOKBACK_NS earlier, as a message's later periods may fall in the range.
         sql = self._sql(
-            "SELECT MIN(t_ns), MAX(t_ns), MIN(min), MAX(max), "
-            "CASE WHEN SUM(n) > 0 THEN SUM(mean * n) / SUM(n) ELSE AVG(mean) END, COUNT(*) "
-            "FROM signal_points WHERE device = ? AND signal = ? AND t_ns >= ? AND t_ns < ? "
-            "GROUP BY (t_ns - ?) / ? ORDER BY 1"
+            "SELECT body FROM messages WHERE device = ? AND kind = 'telemetry' AND t_ns >= ? "
+            "AND t_ns < ? ORDER BY t_ns"
         )
-        args = (device, signal, since_ns, until_ns, since_ns, bucket)
-        return self._run(
-            "series", lambda db: [_bucket(r) for r in db.execute(sql, args).fetchall()]
-        )
+        args = (device, since_ns - LOOKBACK_NS, until_ns)
+
+        def points(db: Connection) -> list[Bucket]:
+            acc: dict[int, list[Any]] = {}
+            for (body,) in db.execute(sql, args):
+                for stat in _common.signal_stats(bytes(body), signal):
+                    if since_ns <= stat[0] < until_ns:
+                        _add(acc, (stat[0] - since_ns) // bucket, stat)
+            return [_bucket_of(a) for _, a in sorted(acc.items())]
+
+        return self._run("series", points)
 
     def decisions_page(
         self,

@@ -34,10 +34,10 @@ Tables:
 - (v7) ``users`` (scrypt password hashes), ``api_tokens`` (sha256 of the secret; the token id
   is its public half), ``console_sessions`` (sha256 of the cookie) and ``audit`` (every
   change: who, via what, from where, what, on what, the result); see :mod:`fleet.access`.
-- (v8) ``signal_points``: each telemetry period's statistics per signal, written with the
-  message (a conflicting body adds none), keyed for "one device's signal over a time range";
-  ``signal_minutes``: the same per minute (``minute`` = t_ns // 60 s), added to by exactly the
-  points each ingest inserted (so a redelivery adds nothing), for charts over hours and days.
+- (v8) ``signal_minutes``: each signal's telemetry statistics per device and minute
+  (``minute`` = t_ns // 60 s: min, max, sums for the weighted mean), added to in the ingest's
+  transaction by exactly the messages it inserted (a redelivery adds nothing), for charts
+  over hours and days; shorter ranges are read from the messages themselves.
 """
 
 from __future__ import annotations
@@ -332,18 +332,6 @@ CREATE INDEX audit_t ON audit (t_ns)
 """
 
 _V8_SQLITE = """
-CREATE TABLE signal_points (
-    device TEXT NOT NULL,
-    signal TEXT NOT NULL,
-    t_ns INTEGER NOT NULL,
-    boot_id TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    mean REAL NOT NULL,
-    min REAL NOT NULL,
-    max REAL NOT NULL,
-    n INTEGER NOT NULL,
-    PRIMARY KEY (device, signal, t_ns, boot_id)
-) WITHOUT ROWID;
 CREATE TABLE signal_minutes (
     device TEXT NOT NULL,
     signal TEXT NOT NULL,
@@ -359,18 +347,6 @@ CREATE TABLE signal_minutes (
 """
 
 _V8_POSTGRES = """
-CREATE TABLE signal_points (
-    device TEXT NOT NULL,
-    signal TEXT NOT NULL,
-    t_ns BIGINT NOT NULL,
-    boot_id TEXT NOT NULL,
-    seq BIGINT NOT NULL,
-    mean DOUBLE PRECISION NOT NULL,
-    min DOUBLE PRECISION NOT NULL,
-    max DOUBLE PRECISION NOT NULL,
-    n INTEGER NOT NULL,
-    PRIMARY KEY (device, signal, t_ns, boot_id)
-);
 CREATE TABLE signal_minutes (
     device TEXT NOT NULL,
     signal TEXT NOT NULL,
@@ -392,7 +368,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(5, "gaps the ingest found while it ran", _V5_SQLITE, _V5_POSTGRES),
     Migration(6, "the serving model's health per device", _V6_SQLITE, _V6_POSTGRES),
     Migration(7, "users, API tokens, console sessions, audit log", _V7_SQLITE, _V7_POSTGRES),
-    Migration(8, "per-signal telemetry series", _V8_SQLITE, _V8_POSTGRES),
+    Migration(8, "per-signal telemetry by minute", _V8_SQLITE, _V8_POSTGRES),
 )
 
 #: The schema version this code writes and reads.

@@ -46,13 +46,8 @@ _UPSERT_DEVICES = (
     "last_seen_ns = GREATEST(devices.last_seen_ns, EXCLUDED.last_seen_ns), " + _FIRST_SEEN
 )
 _MESSAGE_COLUMNS = "device, boot_id, seq, kind, t_ns, received_ns, label, body"
-_INSERT_POINTS = (
-    "INSERT INTO signal_points (device, signal, t_ns, boot_id, seq, mean, min, max, n) "
-    "SELECT * FROM unnest(%s::text[], %s::text[], %s::int8[], %s::text[], %s::int8[], "
-    "%s::float8[], %s::float8[], %s::float8[], %s::int4[]) ORDER BY 1, 2, 3, 4 "
-    "ON CONFLICT DO NOTHING RETURNING device, signal, t_ns, mean, min, max, n"
-)
-#: Adds the minute rollups of the points just inserted (a redelivery's points were not).
+_RETURNING_KEY = " RETURNING device, boot_id, seq"
+#: Adds the minute rollups of the telemetry just inserted (a redelivery was not).
 _UPSERT_MINUTES = (
     "INSERT INTO signal_minutes (device, signal, minute, min, max, sum_wmean, sum_n, sum_mean, "
     "points) SELECT * FROM unnest(%s::text[], %s::text[], %s::int8[], %s::float8[], "
@@ -187,11 +182,17 @@ class PostgresStore(SqlStore):
 
     def _insert_messages(
         self, db: psycopg.Connection[tuple[Any, ...]], batch: _common.Batch
-    ) -> int:
+    ) -> set[tuple[str, str, int]]:
+        """Insert the batch's messages; the keys of those that were new."""
         if self.insert_mode == "executemany":
+            keys: set[tuple[str, str, int]] = set()
             with db.cursor() as cur:
-                cur.executemany(_INSERT_MESSAGES, batch.messages)
-                return cur.rowcount
+                cur.executemany(_INSERT_MESSAGES + _RETURNING_KEY, batch.messages, returning=True)
+                while True:
+                    keys.update((r[0], r[1], int(r[2])) for r in cur.fetchall())
+                    if not cur.nextset():
+                        break
+            return keys
         if not self._tmp_ready:
             # ON COMMIT DELETE ROWS empties it after every batch; it lives with the session.
             db.execute(
@@ -210,9 +211,9 @@ class PostgresStore(SqlStore):
                 f"INSERT INTO messages ({_MESSAGE_COLUMNS}) "  # noqa: S608 - constants
                 f"SELECT {_MESSAGE_COLUMNS} FROM ingest_batch "
                 "ORDER BY device, boot_id, seq "
-                "ON CONFLICT (device, boot_id, seq) DO NOTHING"
+                "ON CONFLICT (device, boot_id, seq) DO NOTHING" + _RETURNING_KEY
             )
-            return cur.rowcount
+            return {(r[0], r[1], int(r[2])) for r in cur.fetchall()}
 
     def ingest(self, rows: Sequence[Row]) -> IngestResult:
         if not rows:
@@ -229,7 +230,8 @@ class PostgresStore(SqlStore):
 
         def write(db: psycopg.Connection[tuple[Any, ...]]) -> IngestResult:
             with db.transaction(), db.cursor() as cur:
-                inserted = self._insert_messages(db, batch)
+                new = self._insert_messages(db, batch)
+                inserted = len(new)
                 conflicts = batch.conflicts
                 if inserted < len(batch.messages):
                     conflicts = conflicts + self._conflicting(cur, batch)
@@ -240,10 +242,8 @@ class PostgresStore(SqlStore):
                         "VALUES (%s, %s, %s, %s, %s, %s)",
                         _common.conflict_rows(conflicts),
                     )
-                points = _common.points_without(batch.points, conflicts)
-                if points:
-                    cur.execute(_INSERT_POINTS, tuple(_columns(points, 9)))
-                    minutes = _common.minute_rollups(cur.fetchall())
+                minutes = _common.minute_rollups(batch.points, new, len(batch.messages))
+                if minutes:
                     cur.execute(_UPSERT_MINUTES, tuple(_columns(minutes, 9)))
                 # One statement per table over arrays, not executemany: that is one server
                 # round of parse, plan and execute per device, which cost more than the COPY

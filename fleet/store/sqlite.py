@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from fleet.errors import FleetStoreError, SchemaTooNew, StoreRefused
@@ -63,6 +63,12 @@ def _busy_timeout(url: str, query: str) -> int:
             f"store URL {url!r}: busy_timeout_ms={text!r}: expected milliseconds, 1..3600000"
         )
     return int(text)
+
+
+_INSERT_MESSAGE = (
+    "INSERT INTO messages (device, boot_id, seq, kind, t_ns, received_ns, label, body) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (device, boot_id, seq) DO NOTHING"
+)
 
 
 class SqliteStore(SqlStore):
@@ -181,13 +187,8 @@ class SqliteStore(SqlStore):
 
         def go(db: sqlite3.Connection) -> IngestResult:
             with self._write(db):
-                cur = db.executemany(
-                    "INSERT INTO messages (device, boot_id, seq, kind, t_ns, received_ns, "
-                    "label, body) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                    "ON CONFLICT (device, boot_id, seq) DO NOTHING",
-                    batch.messages,
-                )
-                inserted = cur.rowcount
+                new = self._insert_messages(db, batch)
+                inserted = len(new)
                 conflicts = batch.conflicts
                 if inserted < len(batch.messages):
                     conflicts = conflicts + self._conflicting(db, batch)
@@ -198,7 +199,15 @@ class SqliteStore(SqlStore):
                         "VALUES (?, ?, ?, ?, ?, ?)",
                         _common.conflict_rows(conflicts),
                     )
-                self._insert_points(db, _common.points_without(batch.points, conflicts))
+                db.executemany(
+                    "INSERT INTO signal_minutes (device, signal, minute, min, max, sum_wmean, "
+                    "sum_n, sum_mean, points) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT (device, signal, minute) DO UPDATE SET "
+                    "min = MIN(min, excluded.min), max = MAX(max, excluded.max), "
+                    "sum_wmean = sum_wmean + excluded.sum_wmean, sum_n = sum_n + excluded.sum_n, "
+                    "sum_mean = sum_mean + excluded.sum_mean, points = points + excluded.points",
+                    _common.minute_rollups(batch.points, new, len(batch.messages)),
+                )
                 db.executemany(
                     "INSERT INTO boots (device, boot_id, first_received_ns) VALUES (?, ?, ?) "
                     "ON CONFLICT (device, boot_id) DO UPDATE SET "
@@ -223,23 +232,21 @@ class SqliteStore(SqlStore):
         return self._run("ingest", go)
 
     @staticmethod
-    def _insert_points(db: sqlite3.Connection, points: list[_common.Point]) -> None:
-        """The points, and the minute rollups of those that were new."""
-        new: list[tuple[Any, ...]] = []
-        step = _common.POINTS_CHUNK
-        for i in range(0, len(points), step):
-            chunk = points[i : i + step]
-            flat = [v for p in chunk for v in p]
-            new += db.execute(_common.points_insert_sql(len(chunk)), flat).fetchall()
-        db.executemany(
-            "INSERT INTO signal_minutes (device, signal, minute, min, max, sum_wmean, sum_n, "
-            "sum_mean, points) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
-            "ON CONFLICT (device, signal, minute) DO UPDATE SET "
-            "min = MIN(min, excluded.min), max = MAX(max, excluded.max), "
-            "sum_wmean = sum_wmean + excluded.sum_wmean, sum_n = sum_n + excluded.sum_n, "
-            "sum_mean = sum_mean + excluded.sum_mean, points = points + excluded.points",
-            _common.minute_rollups(new),
-        )
+    def _insert_messages(db: sqlite3.Connection, batch: _common.Batch) -> set[tuple[str, str, int]]:
+        """Insert the batch's messages; the keys of those that were new. All of them, but
+        for a redelivery: then the batch is inserted again row by row (rare, and needed to
+        know which rows were new: the minute rollups must not count a message twice)."""
+        db.execute("SAVEPOINT batch")
+        cur = db.executemany(_INSERT_MESSAGE, batch.messages)
+        if cur.rowcount == len(batch.messages):
+            db.execute("RELEASE batch")
+            return {(m[0], m[1], m[2]) for m in batch.messages}
+        db.execute("ROLLBACK TO batch")
+        new = {
+            (m[0], m[1], m[2]) for m in batch.messages if db.execute(_INSERT_MESSAGE, m).rowcount
+        }
+        db.execute("RELEASE batch")
+        return new
 
     @staticmethod
     def _conflicting(db: sqlite3.Connection, batch: _common.Batch) -> list[Row]:
