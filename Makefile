@@ -94,6 +94,7 @@ bench: venv
 	$(BIN)/python -m bench.ota --quick
 	$(BIN)/python -m bench.ota_fetch --quick
 	$(BIN)/python -m bench.rollout --quick
+	$(BIN)/python -m bench.console --quick
 
 ## check-arm64: every runtime dependency has a manylinux aarch64 wheel for CPython 3.11 and 3.12
 check-arm64: venv

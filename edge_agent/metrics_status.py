@@ -25,6 +25,9 @@ from prometheus_client.metrics_core import (
 
 from edge_agent.metrics_health import health_families
 from edge_agent.metrics_shape import QUANTILES, SOURCE_ERROR_KEYS
+from wire.topics import UPLINK_KINDS
+
+DATA_KINDS = tuple(k for k in UPLINK_KINDS if k != "state")
 
 
 def status_at(obj: Any, *path: str) -> Any:
@@ -278,6 +281,19 @@ def _sources(s: Mapping[str, Any], out: _Out) -> None:
     )
 
 
+def _uplink_dropped(s: Mapping[str, Any], out: _Out) -> None:
+    """Every data kind, 0 until the outbox drops one: a rate over a series that appears
+    only with the first drop would miss it."""
+    dropped = status_at(s, "uplink", "dropped")
+    if isinstance(dropped, Mapping):
+        out.counter(
+            "edgefleet_uplink_dropped_total",
+            "Messages the outbox dropped (over its cap or unstorable), by kind.",
+            ["kind"],
+            (((k,), dropped.get(k, 0)) for k in DATA_KINDS),
+        )
+
+
 Family = One | Fixed | Each | Info | Callable[[Mapping[str, Any], "_Out"], None]
 _R = ("reasoning",)
 _BREAKER = ("reasoning", "breaker")
@@ -473,6 +489,35 @@ FAMILIES: tuple[Family, ...] = (
         "counter",
         (*_MEMORY, "snapshots", "taken"),
     ),
+    One(
+        "edgefleet_uplink_connected",
+        "1 while the uplink is connected to the broker.",
+        "gauge",
+        ("uplink", "connected"),
+    ),
+    One(
+        "edgefleet_uplink_outbox_rows",
+        "Messages waiting in the outbox (unacknowledged).",
+        "gauge",
+        ("uplink", "outbox_rows"),
+    ),
+    One(
+        "edgefleet_uplink_outbox_bytes", "Bytes in the outbox.", "gauge", ("uplink", "outbox_bytes")
+    ),
+    One(
+        "edgefleet_uplink_inflight",
+        "Messages sent, not yet acknowledged.",
+        "gauge",
+        ("uplink", "inflight"),
+    ),
+    One("edgefleet_uplink_sent_total", "Messages published.", "counter", ("uplink", "sent")),
+    One(
+        "edgefleet_uplink_acked_total",
+        "Messages the broker acknowledged.",
+        "counter",
+        ("uplink", "acked"),
+    ),
+    _uplink_dropped,
     _sources,
     Each(
         "edgefleet_source_restarts_total",

@@ -24,6 +24,7 @@ from fleet.cli_common import (
     store_url,
 )
 from fleet.errors import FleetError, IngestError
+from fleet.metrics import FleetMetrics, store_state
 from fleet.services import ApiService, build_api, service_failure, start_services
 from fleet.store import open_store
 
@@ -170,8 +171,13 @@ def serve(
         listen = _listen(http, http_cert, http_key)
     except FleetError as exc:
         _fail(str(exc), EXIT_USAGE)
+    metrics = FleetMetrics(store_state(config.store_url)) if listen else None
     try:
-        api = _api(config.store_url, listen, artifacts.resolve(), root) if listen else None
+        api = (
+            _api(config.store_url, listen, artifacts.resolve(), root, metrics)
+            if listen and metrics
+            else None
+        )
     except FleetError as exc:
         _fail(str(exc), EXIT_FAILURE)
     service = start_services(
@@ -196,6 +202,7 @@ def serve(
             stop=stop,
             connect_timeout=connect_timeout or None,
             status_interval=status_interval or None,
+            on_workers=metrics.update_ingest if metrics else None,
         )
     except FleetError as exc:
         _fail(str(exc), EXIT_FAILURE)
@@ -256,7 +263,9 @@ def _listen(http: str, cert: Path | None, key: Path | None) -> HttpListen | None
     return HttpListen(host, port, cert, key)
 
 
-def _api(url: str, listen: HttpListen, artifacts: Path, root: Path | None) -> ApiService:
+def _api(
+    url: str, listen: HttpListen, artifacts: Path, root: Path | None, metrics: FleetMetrics
+) -> ApiService:
     """The API on its bound socket, its store migrated first (no request meets a schema
     older than the code). Raises FleetError (``ApiPortInUse``, a store failure)."""
     st = open_store(url)
@@ -264,7 +273,10 @@ def _api(url: str, listen: HttpListen, artifacts: Path, root: Path | None) -> Ap
         st.migrate()
     finally:
         st.close()
-    return build_api(url, listen, artifacts=artifacts, root_json=root)
+    return build_api(
+        url, listen, artifacts=artifacts, root_json=root, metrics=metrics,
+        render_metrics=metrics.render,
+    )  # fmt: skip
 
 
 def _print_worker_summary(per_worker: list[dict[str, Any]]) -> None:

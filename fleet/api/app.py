@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
-from starlette.routing import Match
 
 from fleet import __version__
 from fleet.api import events, problems, routes_admin, routes_fleet, routes_rollouts
@@ -18,12 +17,16 @@ PREFIX = "/api/v1"
 
 
 def _route_of(request: Request) -> str:
-    """The matched route's template (never the raw path: device names are unbounded)."""
-    for route in request.app.router.routes:
-        match, _ = route.matches(request.scope)
-        if match == Match.FULL:
-            return str(getattr(route, "path", "other"))
-    return "unmatched"
+    """The matched route's template (never the raw path: device names are unbounded);
+    ``unmatched`` for a path no route serves."""
+    route = request.scope.get("route")
+    path = getattr(route, "path", None)
+    if not path:
+        return "unmatched"
+    # FastAPI hands the route as its router declared it, without the router's prefix.
+    if request.url.path.startswith(PREFIX + "/") and not str(path).startswith(PREFIX):
+        return PREFIX + str(path)
+    return str(path)
 
 
 def create_app(ctx: ApiContext) -> FastAPI:

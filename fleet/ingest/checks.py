@@ -35,6 +35,8 @@ class BatchOutcome:
     refused: dict[str, int] = field(default_factory=dict)
     #: ``(kind, text)`` of unexpected errors, for the worker to log (once per kind).
     notes: list[tuple[str, str]] = field(default_factory=list)
+    #: The device time (UNIX ns) of each data message stored or found stored: the lag.
+    t_ns: list[int] = field(default_factory=list)
 
 
 # Topics repeat (a few per device): caching the parse saves two regex matches per message.
@@ -189,6 +191,7 @@ def process_batch(
         else:
             rows.append(row)
     if rows:
+        out.t_ns = [r.t_ns for r in rows]
         result = store.ingest(rows)
         out.inserted, out.duplicates = result.inserted, result.duplicates
         out.conflicts = result.conflicts

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -100,6 +102,12 @@ class IngestConfig:
         return f"IngestConfig({fields})"
 
 
+#: Upper bounds (s) of the ingest lag histogram: a message's time to its commit.
+LAG_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0)
+#: Upper bounds (s) of the store write histogram: one batch's check and commit.
+WRITE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
 @dataclass
 class IngestStats:
     """Counters of one worker. Written by its threads, read by anyone (ints are atomic)."""
@@ -139,6 +147,25 @@ class IngestStats:
     #: UNIX ns of the first message received and of the last batch committed (rates).
     first_received_ns: int | None = None
     last_commit_ns: int | None = None
+    #: Messages waiting in the worker's inbox at its last batch (a gauge: not summed).
+    queue_depth: int = 0
+    #: Histograms, as counts per bucket of LAG_BUCKETS_S / WRITE_BUCKETS_S (the last is
+    #: +Inf) and the sum: a message's lag (stored - its own time) and a batch's commit time.
+    lag_counts: list[int] = field(default_factory=lambda: [0] * (len(LAG_BUCKETS_S) + 1))
+    lag_sum_s: float = 0.0
+    write_counts: list[int] = field(default_factory=lambda: [0] * (len(WRITE_BUCKETS_S) + 1))
+    write_sum_s: float = 0.0
+
+    def observe_lags(self, t_ns: Sequence[int], now_ns: int) -> None:
+        counts = self.lag_counts
+        for t in t_ns:
+            lag = max(0.0, (now_ns - t) / 1e9)
+            counts[bisect.bisect_left(LAG_BUCKETS_S, lag)] += 1
+            self.lag_sum_s += lag
+
+    def observe_write(self, seconds: float) -> None:
+        self.write_counts[bisect.bisect_left(WRITE_BUCKETS_S, seconds)] += 1
+        self.write_sum_s += seconds
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -153,6 +180,13 @@ class IngestStats:
         for name in ("gaps", "gap_seqs"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.connect_failures += other.connect_failures
+        self.queue_depth += other.queue_depth
+        self.lag_counts = [a + b for a, b in zip(self.lag_counts, other.lag_counts, strict=True)]
+        self.lag_sum_s += other.lag_sum_s
+        self.write_counts = [
+            a + b for a, b in zip(self.write_counts, other.write_counts, strict=True)
+        ]
+        self.write_sum_s += other.write_sum_s
         for k, v in other.quarantined.items():
             self.quarantined[k] = self.quarantined.get(k, 0) + v
         self.last_error = other.last_error or self.last_error

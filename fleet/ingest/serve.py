@@ -174,6 +174,7 @@ def serve(
     status_interval: float | None = 60.0,
     node: str | None = None,
     quiet_s: float = QUIET_S,
+    on_workers: Callable[[list[IngestStats]], None] | None = None,
 ) -> list[IngestStats]:
     """Migrate once, then run ``workers`` ingest workers until ``duration`` or ``stop``.
 
@@ -183,7 +184,8 @@ def serve(
     records; sessions of the prefix that no worker runs now are drained once the workers
     are connected (see :mod:`fleet.ingest.sessions`). Raises IngestError if a worker has not
     connected to the broker within ``connect_timeout`` seconds (None: wait for ever). Logs a
-    status line every ``status_interval`` seconds. Returns each worker's final stats.
+    status line every ``status_interval`` seconds. Every tick, ``on_stats`` gets the total
+    and ``on_workers`` each worker's stats. Returns each worker's final stats.
     """
     stop = stop or threading.Event()
     started = time.monotonic()
@@ -209,6 +211,7 @@ def serve(
                 started=started,
                 duration=duration,
                 on_stats=on_stats,
+                on_workers=on_workers,
                 connect_timeout=connect_timeout,
                 status_interval=status_interval,
             )
@@ -227,6 +230,7 @@ def _run(
     started: float,
     duration: float | None,
     on_stats: Callable[[IngestStats], None] | None,
+    on_workers: Callable[[list[IngestStats]], None] | None,
     connect_timeout: float | None,
     status_interval: float | None,
 ) -> list[IngestStats]:
@@ -250,6 +254,8 @@ def _run(
             stats = pool.stats()
             if on_stats is not None:
                 on_stats(_total(stats))
+            if on_workers is not None:
+                on_workers(stats)
             if status_interval and time.monotonic() >= next_status:
                 next_status += status_interval
                 level, line = status_line(stats, _broker(config), keeper.draining())

@@ -84,6 +84,7 @@ def _store_server(url: str, migrate: bool, conn: Connection) -> None:
                         out.states,
                         out.refused,
                         out.notes,
+                        out.t_ns,
                     )
                 elif method == "ping":
                     store.ping()
@@ -168,9 +169,9 @@ class StoreClient:
     def process(self, items: Sequence[Incoming], *, auto_register: bool) -> BatchOutcome:
         result = self._call("batch", (items, auto_register))
         assert isinstance(result, tuple)
-        inserted, duplicates, conflicts, states, refused, notes = result
+        inserted, duplicates, conflicts, states, refused, notes, t_ns = result
         return BatchOutcome(
-            int(inserted), int(duplicates), int(conflicts), int(states), refused, notes
+            int(inserted), int(duplicates), int(conflicts), int(states), refused, notes, t_ns
         )
 
     def quarantine(self, items: Sequence[Quarantined]) -> None:

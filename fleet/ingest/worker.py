@@ -534,10 +534,14 @@ class IngestWorker:
         return True
 
     def _commit(self, store: StoreOps, batch: list[Incoming]) -> None:
+        started = time.perf_counter()
         out = store.process(batch, auto_register=self.config.auto_register)
         stats = self.stats
+        stats.observe_write(time.perf_counter() - started)
         stats.batches += 1
-        stats.last_commit_ns = time.time_ns()
+        stats.last_commit_ns = now = time.time_ns()
+        stats.observe_lags(out.t_ns, now)
+        stats.queue_depth = len(self._inbox)
         stats.stored += out.inserted
         stats.duplicates += out.duplicates
         stats.conflicts += out.conflicts

@@ -303,3 +303,15 @@ class ConsoleSql(SqlBase):
             return None if r is None else (int(r[0]), r[1], r[2], int(r[3]))
 
         return self._run("newest_received", go)
+
+    def fleet_state(self) -> tuple[int, int, dict[str, int]]:
+        """Devices online, devices offline, and rollouts by state (for the metrics)."""
+        devices = self._sql("SELECT online, COUNT(*) FROM devices GROUP BY online")
+        rollouts = self._sql("SELECT state, COUNT(*) FROM rollouts GROUP BY state")
+
+        def go(db: Connection) -> tuple[int, int, dict[str, int]]:
+            by = {bool(r[0]): int(r[1]) for r in db.execute(devices).fetchall()}
+            states = {str(r[0]): int(r[1]) for r in db.execute(rollouts).fetchall()}
+            return by.get(True, 0), by.get(False, 0), states
+
+        return self._run("fleet_state", go)
