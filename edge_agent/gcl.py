@@ -1,47 +1,12 @@
 """The gate control list (IEEE 802.1Qbv style): config section, timeline math, taprio command.
 
-One list drives both sides of the device: :mod:`edge_agent.gates` opens each pipeline stage
-(``perception``, ``memory``, ``reasoning``) inside its window, and :func:`render_taprio` turns
-the NIC traffic classes of the same list into a ``tc qdisc ... taprio`` command, so compute
-and network obey one schedule. Everything here is pure: no I/O, no clock reads; timeline
-methods take ``now``.
-
-Example (every key, with its default)::
-
-    [schedule]
-    cycle_us = 10000            # one cycle; entries cut it into windows, in order
-    # base_time_ns = 0          # cycles start at base + k * cycle (UNIX ns); default: the
-    #                           # phase at which perception windows close
-    spin_us = 200               # the scheduler busy-waits this long before each opening
-
-    [[schedule.entries]]
-    name = "compute"
-    duration_us = 6000
-    gates = ["perception", "memory", "reasoning", "best_effort"]
-
-    [[schedule.entries]]
-    name = "uplink"
-    duration_us = 4000
-    gates = ["uplink", "best_effort"]
-
-    [schedule.tsn]
-    interface = "eth0"
-    clockid = "CLOCK_TAI"
-    # NIC traffic classes in tc order: tc0 first. Priorities (SO_PRIORITY) no class claims
-    # go to the first class.
-    classes = [
-        { name = "best_effort", priority = 0, queues = 1 },
-        { name = "uplink", priority = 3, queues = 1 },
-    ]
-
-Gates name either a stage or a traffic class. A traffic class's gate bit in the taprio mask
-is its index in ``classes``; stages have no bit (they are scheduled by the agent, not the NIC).
-
-Clocks: the agent schedules on CLOCK_REALTIME, taprio usually on CLOCK_TAI. The two differ by
-a whole number of seconds (37 s today), which is a whole number of cycles for any cycle that
-divides 1 s, so both run the schedule in the same phase from the same ``base_time_ns``.
-:meth:`ScheduleSection.notes` warns about a cycle that does not divide 1 s (not an error:
-a CLOCK_REALTIME qdisc, or an agent without taprio, is unaffected).
+One ``[schedule]`` list drives both sides of the device: :mod:`edge_agent.gates` opens each
+pipeline stage inside its window, and :func:`render_taprio` turns the NIC traffic classes of
+the same list into a ``tc qdisc ... taprio`` command. Gates name a stage or a traffic class
+(its bit in the taprio mask is its index in ``classes``). Pure: no I/O, no clock reads;
+timeline methods take ``now``. Every key with its default: ``examples/agent.toml``.
+Design (and the CLOCK_REALTIME / CLOCK_TAI phase): docs/ARCHITECTURE.md, "Data flow on the
+device".
 """
 
 from __future__ import annotations

@@ -1,53 +1,14 @@
 """The model's input contract: does a config deliver each input the way the model learned it?
 
-A model learns its inputs as perception makes them from one acquisition: how often each
-source sends, at what resolution, with what deadband (``training.acquisition`` in its
-manifest). The features read the level, the step-to-step changes and the repeats of every
-signal (:mod:`models.features`), so a signal read another way means something else to the
-model: a 100 ms Modbus poll on a signal learned from a 10 ms CAN frame repeats 9 grid steps
-in 10 and every window looks ``stuck``; a slow signal read ten times faster never repeats
-and looks ``noise``. :func:`check_contract` compares, per model signal, what the model was
-trained for with what a config delivers (``edge_agent.acquisition`` derives that from the
-config) and returns findings: ``error`` when the difference is past the tolerances below,
-``note`` for what it cannot check or what measured harmless. Pure: data in, findings out.
-
-Tolerances (measured, not guessed)
-----------------------------------
-Each was measured by ``scripts/contract_evidence.py``: the committed model run on
-back-to-back normal windows of the simulator (4 held-out plant seeds x 20 min, 3
-acquisition draws each: 22,500 windows per case) made through the training acquisition
-with one parameter of one signal changed, counting the windows the model alarms on (window
-level, before hysteresis). The baseline is 0.31 %; giving one signal a schedule of its own
-without changing anything (a new draw of its phase and delays) moves it to 0.31-0.51 %.
-A change is tolerated where every signal stayed within 2x the baseline: the smallest effect
-these counts tell apart from a new draw. ``models/README.md`` ("Input contract") has the
-table.
-
-* **period** (:data:`PERIOD_SLOWER`, :data:`PERIOD_FASTER`), compared as the time between
-  new values on the grid (a period shorter than a grid step counts as one step: perception
-  holds the newest value either way). 10 % slower: at most 2.0x (frequency, whose own
-  draw is 1.7x); 25 % slower: vibration 2.0x, 50 % slower: 3-7x, twice as slow: 28-36x
-  (current, frequency, speed, vibration; ``stuck``). Faster breaks the signals the model
-  learned held: vibration (20 ms) every 19 ms: 1.3x, 18 ms: 2.9x, 16 ms: 16x (``noise``);
-  temperature (200 ms) at 160 ms: 2.0x.
-* **resolution** (:data:`QUANTUM_OF_STEP`): a quantum coarser than the model's own is
-  tolerated up to half the median change the model saw (``training.input_stats``): at 0.3
-  of it 1.0-1.3x, at 0.6 2.1x (voltage, current), at one median change 2.1-4.8x, at 1.5
-  5-14x. A finer one (a float where the model learned 0.01 A) measured harmless.
-* **deadband** on a signal the model learned without one (:data:`DEADBAND_OF_STEP`): up to
-  0.3 of the median change, 1.0-1.8x; 0.45: 3.1x (current), 3.7x (vibration); 0.65: up to
-  10x. Less deadband than the model learned measured harmless (voltage learned with 0.5 V:
-  none, 1.2x).
-* **hold** (:data:`HOLD_LONGER`): how long a deadband can hold a value (the heartbeat,
-  rounded up to whole polls). Voltage learned at most 200 ms: 300 ms 1.4x, 500 ms 1.7x,
-  1000 ms 5.4x.
-* **source kind** alone (a CAN signal polled over Modbus at the same period and
-  resolution: current, frequency and speed in one Modbus block 1.3x) is a ``note``.
-* **range**: a register or DBC signal that saturates inside the levels the model saw in
-  training (``training.input_stats``) holds a flat value there, which is ``stuck``.
-
-The two Modbus-only profiles of issue 20 (all six signals in one block, the simulator's
-register types): at 100 ms 99.4 % of windows alarm (``stuck``), at 10 ms 100 % (``noise``).
+A model learns its inputs from one acquisition (``training.acquisition`` in its manifest:
+period, resolution, deadband of each source); a signal read another way means something else
+to its features (a 100 ms poll of a signal learned from a 10 ms CAN frame makes every window
+look ``stuck``). :func:`check_contract` compares, per model signal, the training acquisition
+with what a config delivers (``edge_agent.acquisition``) and returns findings: ``error`` past
+the tolerances (:data:`PERIOD_SLOWER`, :data:`PERIOD_FASTER`, :data:`QUANTUM_OF_STEP`,
+:data:`DEADBAND_OF_STEP`, :data:`HOLD_LONGER`, the training range), ``note`` for what it
+cannot check or measured harmless. Pure: data in, findings out. The tolerances were measured
+by ``scripts/contract_evidence.py``; the figures: models/README.md, "Input contract".
 """
 
 from __future__ import annotations

@@ -1,50 +1,15 @@
 """Runtime adapter: load an INT8 TFLite model with its manifest, check it, run it on windows.
 
-No TensorFlow here. The interpreter comes from LiteRT (``ai_edge_litert``) or, on images that
-ship only that, ``tflite_runtime``; both expose the same ``Interpreter`` class.
-
-Backend choice, in order: the ``backend`` argument; else the ``EDGEFLEET_TFLITE_BACKEND``
-environment variable; else ``ai_edge_litert`` if importable, else ``tflite_runtime``. A backend
-that was asked for by name and cannot be imported raises :class:`BackendUnavailable` (no
-silent fallback: a CI job that means to test ``tflite_runtime`` must not pass on LiteRT).
-
-XNNPACK: both interpreters are built with the default op resolver (``OpResolverType.AUTO``,
-which asks for the default XNNPACK delegate) and ``num_threads``. Measured, not assumed:
-LiteRT (``ai_edge_litert`` 2.3) hands the int8 graph to XNNPACK (delegate nodes appear in the
-execution plan; ~3-4 us per invoke on one x86 core), while ``tflite_runtime`` 2.14 applies no
-delegate to this int8 model and runs the builtin int8 kernels (~18 us on the same core). The
-Python API of neither exposes XNNPACK options, and the 2.14 wheel ships no delegate library
-to load, so there is nothing to switch on: prefer LiteRT. :attr:`LoadedModel.delegated`
-records what happened and the test suite pins it.
-
-Bit-exactness: the builtin int8 kernels of both backends (and the reference kernels) give
-identical outputs. XNNPACK does not match them bit for bit: on ~11 % of windows it moves
-some output probabilities, by 18/256 at P99 (a few tens of 1/256 at worst), and the
-decision changes on ~0.03 % of windows. ``load_model(xnnpack=False)`` trades its speed for
-bit-identical outputs across backends.
-
-What :func:`load_model` checks before it returns (any failure is :class:`ModelRejected`, so
-the caller keeps the model it runs):
-
-1. ``manifest.json`` is at most :data:`MAX_MANIFEST_BYTES`, is JSON, and every key has the
-   right type and range (errors name the key and the value);
-2. the model file is at most :data:`MAX_MODEL_BYTES` (checked before reading) and has exactly
-   ``size_bytes`` bytes whose sha256 is ``sha256``;
-3. the interpreter accepts those very bytes (``model_content=``: what was hashed is what runs).
-   LiteRT verifies the flatbuffer before using it; ``tflite_runtime`` 2.14 does not and
-   crashes the process (SIGSEGV) on a truncated or malformed file, so for that backend the
-   bytes are first loaded and invoked once in a short-lived child process (~0.15 s, at
-   load time only) and a crash there rejects the model instead of killing the agent;
-4. one int8 input of shape ``input.shape`` and one int8 output of shape ``output.shape``,
-   both with the manifest's scale and zero point; one output per label.
-
-A :class:`LoadedModel` is not thread-safe (its interpreters and buffers are reused): give each
-thread its own. It holds a second interpreter of the same bytes whose input takes one window
-per signal, for occlusion attribution in one invoke (:meth:`LoadedModel.predict_occluded`,
-:class:`LevelOcclusion`). Features and quantization run through the compiled kernels of
-:mod:`models.kernels` when numba can run (:attr:`LoadedModel.jit`), else on numpy; the
-int8 input is the same. ``predict()`` takes ~12-20 us (LiteRT) to ~40 us (tflite_runtime)
-on an x86 core, so calling it inline on the event loop is fine.
+No TensorFlow here: the interpreter comes from LiteRT (``ai_edge_litert``) or
+``tflite_runtime`` (the ``backend`` argument, else ``EDGEFLEET_TFLITE_BACKEND``, else LiteRT
+when importable; a backend asked for by name that cannot be imported raises
+:class:`BackendUnavailable`, never a silent fallback). :func:`load_model` checks the manifest
+(size cap, types and ranges, naming the key), the model file (size cap before reading, size
+and sha256), that the interpreter accepts those very bytes (for ``tflite_runtime``, which
+crashes on a malformed flatbuffer, first in a child process) and the tensors' shapes, dtypes
+and quantization; any failure is :class:`ModelRejected` and the caller keeps the model it
+runs. A :class:`LoadedModel` is not thread-safe (give each thread its own). Backends, XNNPACK
+vs builtin kernels, occlusion and latencies: models/README.md, "Runtime and backends".
 """
 
 from __future__ import annotations

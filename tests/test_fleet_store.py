@@ -236,7 +236,7 @@ def _other_body(row: Row, mean: float) -> Row:
 def _conflict_stores(backend: Backend) -> list[Store]:
     """The backend's store, and on PostgreSQL its ``executemany`` insert mode too (the
     conflict check differs: a join on the COPY's temp table, or arrays of keys and bodies)."""
-    stores = [backend.open()]
+    stores: list[Store] = [backend.open()]
     if backend.name == "postgresql":
         from fleet.store.postgres import PostgresStore  # noqa: PLC0415 - needs psycopg
 
