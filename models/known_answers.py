@@ -1,29 +1,13 @@
 """Known answers: golden windows and the exact INT8 outputs a model must give for them.
 
-Why: a model file can pass every structural check (size, sha256, tensor shapes) and still
-compute the wrong numbers on a device: an emulated or new CPU feature (LiteRT's XNNPACK
-delegate under qemu's SVE CPU scores an all-zeros window ``[-128, 0, -128, 0, -128]``
-instead of the right answer, with no error), a broken delegate or driver, or a model file
-rebuilt by mistake and re-hashed. The agent would then raise or miss alarms with full
-confidence. So every manifest carries ``known_answers``: a few golden input windows and the
-int8 outputs the build machine's runtime gave for them, once per kernel set, and the agent
-compares before it serves (:mod:`models.selftest`).
-
-Per machine and kernel set, because both change the int8 arithmetic, legitimately: LiteRT's
-XNNPACK delegate requantizes some intermediate results differently from the builtin int8
-kernels, and the builtin kernels are optimized per architecture. Measured (same int8
-input tensors, so the difference is in the model's arithmetic, not in the features):
-x86-64 XNNPACK vs builtin differ on 13 of the 50 reference windows of
-``tests/data/model_reference.npz``, by up to 41/256 on one output; aarch64 (qemu
-cortex-a76, ``make test-arm64``) vs x86-64 on 500 fixed windows: XNNPACK on 2 of them by
-1/256, the builtin kernels on 67 by up to 45/256, the top label never. One tolerance
-across those would have to be ~45/256 and would let a real fault of that size through;
-instead each (machine, kernel set) has its own expected outputs and the tolerance is zero
-(``tolerance``: the largest absolute int8 difference accepted per output). A machine with
-no answers of its own passes only if its outputs equal some recorded machine's exactly
-(fail closed: record them there, ``scripts/record_known_answers.py``).
-
-The manifest entry::
+A model can pass every structural check and still compute wrong numbers on a device (an
+emulated CPU feature, a broken delegate or driver), raising or missing alarms with full
+confidence; so every manifest carries a few golden input windows and the int8 outputs
+recorded per machine and kernel set (both change the arithmetic legitimately), compared with
+tolerance 0 before a model is served (:mod:`models.selftest`). A machine with no answers of
+its own passes only if its outputs equal some recorded machine's exactly (fail closed).
+Pure: parsing, describing and comparing. The measurements behind "per machine and kernel
+set": models/README.md, "Runtime and backends". The manifest entry::
 
     "known_answers": {
       "definition": "...",
@@ -34,9 +18,6 @@ The manifest entry::
                   "aarch64": {...}},
       "recorded_with": {"x86_64": {...}, ...}      # informational: where, with what
     }
-
-This module is pure: parsing, describing and comparing. Running a model is in
-:mod:`models.selftest`.
 """
 
 from __future__ import annotations
