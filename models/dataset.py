@@ -1,44 +1,13 @@
 """Labelled windows from the motor-drive simulator (:mod:`drivers.sim.plant`). Pure numpy.
 
-Used by :mod:`models.train` to make the training, validation and test sets and by the test
-suite to regenerate a fresh held-out set without TensorFlow.
-
-A window is :data:`WINDOW` consecutive 100 Hz grid steps of the six signals in
-:data:`SIGNALS` order, as perception builds it from the field buses that carry them: the
-plant's values (anomalies applied) go through an :class:`Acquisition` (per signal: the
-source's period and phase, its resolution and range, a deadband with heartbeat, a small
-arrival delay) and each grid point holds the newest sample that arrived at or before it,
-exactly like ``edge_agent.perception.Aligner`` with ``interpolation = "hold"``.
-:data:`FIELD_BUSES` (the default) is ``examples/agent.toml`` with the simulator's DBC;
-:data:`IDEAL` (every signal fresh at every step at full precision, ``values_at`` at
-``t = (start_step + k) / 100``) is what the model was trained on before, kept for
-comparison. Held values repeat on the grid, so a ``stuck`` sensor is a repeat run longer
-than the acquisition's normal ones, and a spike shorter than a slow source's poll can be
-missed: a ``spike`` window must show its spike as acquired.
-
-How a set is drawn
-------------------
-Every plant seed gets its own timeline, cut into :data:`SLOT_S`-second slots starting at a
-random time below ~2000 s (the plant integrates temperature from t = 0, so moderate times
-are cheap; a seed is walked forward in time). Each slot holds one window and at most one
-anomaly, so anomalies never overlap and one :class:`~drivers.sim.plant.MotorPlant` per seed
-carries all of them:
-
-* ``normal``: a window anywhere in the slot;
-* ``drift``: duration 3-10 s; the window lies in the second half of the interval, so the
-  offset is at least half the magnitude;
-* ``spike``: duration 2-10 s; the window must hold one whole spike, both edges inside
-  (checked against the anomaly-free plant, in plant values and again as acquired, with the
-  same acquisition draw), otherwise it is moved. A spike cut by the window
-  edge is a single step, which normal running makes too (a ramp starting steps current and
-  slip at once); spikes recur every second, so an interval is still caught;
-* ``stuck`` and ``noise``: duration 1-10 s, the window anywhere inside.
-
-The window always lies fully inside the anomaly interval. ``dropout`` is not a model label:
-perception flags a missing signal as stale and the reasoning rules deal with it. Drift is
-drawn on :data:`DRIFT_SIGNALS` only: a temperature offset of a few degrees is what a cold or
-hot winding looks like in any 0.64 s window (the winding lags the current by minutes), so
-it is left to rules over longer horizons rather than taught as a label no window can show.
+Used by :mod:`models.train` for the training, validation and test sets and by the tests to
+regenerate a held-out set without TensorFlow. A window is :data:`WINDOW` steps of the 100 Hz
+grid of the six :data:`SIGNALS`, made as perception makes it from an :class:`Acquisition`
+(per signal: period and phase, resolution and range, deadband with heartbeat, arrival
+delay; :data:`FIELD_BUSES` by default, :data:`IDEAL` for comparison). Each plant seed's
+timeline is cut into :data:`SLOT_S`-second slots holding one window and at most one anomaly,
+the window always inside the anomaly's interval. How each label's window is placed and why:
+models/README.md, "Data and training".
 """
 
 from __future__ import annotations
