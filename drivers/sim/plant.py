@@ -15,45 +15,10 @@ signal          unit   model
 ``vibration``   mm/s   RMS: base + ``∝ speed²`` + a structural resonance near 1040 rpm
 ==============  =====  ====================================================================
 
-Determinism and order independence
-----------------------------------
-Time is quantised to a 100 Hz step grid: ``values_at(t)`` is the value of step
-``k = floor(t·100)`` (sample and hold; no field bus reports faster). Every quantity of step
-``k`` is a function of ``k`` alone:
-
-* the duty cycle is a list of segments drawn one by one from a counter-based RNG keyed on
-  ``(seed, segment index)`` and extended lazily, so segment ``i`` is the same however far
-  ahead a query looked first; frequency, load, current, speed, voltage and vibration are then
-  closed-form functions of ``k``;
-* noise is a splitmix64 hash of ``(seed, signal, k)`` turned into a Gaussian, never a
-  stateful generator, so skipping or revisiting steps cannot shift it;
-* temperature, the one integrated state, uses the exact discretisation of the first-order lag
-  over fixed 10 ms steps (``T[k+1] = Tss[k] + (T[k] - Tss[k])·exp(-dt/τ)``, driven by the
-  noise-free current). It is stepped forward from ``T[0] = ambient`` once, in order, keeping
-  a checkpoint every second; any step is then reached from its second's checkpoint along the
-  same arithmetic path. Results are bit-identical whatever the order or frequency of
-  queries; a query far in the future costs one pass up to it (~10 ms per plant minute).
-
-Anomalies
----------
-Anomalies are sensor/transmission faults applied to the *measured* value of one signal; the
-physics never sees them (a drifting temperature sensor does not heat the motor). For a step
-inside ``[start_s, start_s + duration_s)`` (both ends rounded to the step grid):
-
-==========  ======================================================  ======================
-kind        effect                                                  ``magnitude``
-==========  ======================================================  ======================
-``noise``   the signal's noise is multiplied by ``magnitude``       std multiplier, >= 0
-``drift``   adds an offset rising linearly from 0 to ``magnitude``  signal units at the end
-``spike``   one 100 ms excursion per second of the interval, the    signal units (sign =
-            first at its very start; height 60-100 % of magnitude   direction)
-``stuck``   the value freezes at its measured value at ``start_s``  none
-``dropout`` the key is missing from :meth:`MotorPlant.values_at`    none
-==========  ======================================================  ======================
-
-They combine in that order whatever order they are given in: noise multipliers multiply,
-drift and spike offsets add, the earliest active ``stuck`` freezes the result, any
-``dropout`` removes it. Outside its interval an anomaly changes nothing.
+Values are sample-and-hold on a 100 Hz step grid and bit-identical whatever the order of
+queries; anomalies (``noise``, ``drift``, ``spike``, ``stuck``, ``dropout``) change the
+*measured* value of one signal, never the physics. How determinism is kept and what each
+anomaly does: docs/ARCHITECTURE.md, "The plant simulator".
 """
 
 import bisect
