@@ -36,6 +36,7 @@ typecheck: venv
 	$(BIN)/mypy
 
 unit: venv
+	@scripts/ensure-system-deps chromium chromium-driver  # the console's browser tests
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 ## test-tflite: the model, kernel and reasoning tests again on tflite_runtime (numpy < 2)

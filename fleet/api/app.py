@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
+from fastapi.staticfiles import StaticFiles
 
-from fleet import __version__
+from fleet import __version__, console
 from fleet.api import events, problems, routes_admin, routes_fleet, routes_rollouts
 from fleet.api.context import ApiContext
 
@@ -54,6 +55,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
     problems.install(app)
     for router in (routes_fleet.router, routes_rollouts.router, routes_admin.router, events.router):
         app.include_router(router, prefix=PREFIX)
+    app.include_router(console.router)
+    app.mount("/static", StaticFiles(directory=console.STATIC_DIR), name="static")
 
     @app.get(f"{PREFIX}/health", summary="Liveness (no sign-in needed)")
     def health() -> dict[str, str]:

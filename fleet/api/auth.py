@@ -55,7 +55,7 @@ def _from_token(ctx: ApiContext, value: str) -> Principal:
     return Principal(f"token:{info.name}", access.check_role(info.role), "api")
 
 
-def _from_cookie(ctx: ApiContext, cookie: str) -> Principal | None:
+def from_cookie(ctx: ApiContext, cookie: str) -> Principal | None:
     with ctx.pool.store() as st:
         found = st.session(access.session_hash(cookie), ctx.clock())
     if found is None:
@@ -74,7 +74,7 @@ def principal(request: Request, ctx: Ctx) -> Principal:
             raise ApiProblem(401, "expected Authorization: Bearer TOKEN", "header.Authorization")
         return _from_token(ctx, value.strip())
     cookie = request.cookies.get(COOKIE)
-    who = _from_cookie(ctx, cookie) if cookie else None
+    who = from_cookie(ctx, cookie) if cookie else None
     if who is None:
         raise ApiProblem(401, "sign in or send Authorization: Bearer TOKEN", "header.Authorization")
     if request.method not in _SAFE:

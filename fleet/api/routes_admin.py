@@ -53,8 +53,9 @@ def _principal_of(ctx: Ctx, body: SignIn) -> Principal:
     return Principal(body.user, access.check_role(found_user[0]), "console")
 
 
-@router.post("/session", response_model=Session, summary="Sign in (sets the session cookie)")
-def sign_in(ctx: Ctx, request: Request, response: Response, body: SignIn) -> Session:
+def start_session(ctx: Ctx, request: Request, response: Response, body: SignIn) -> Session:
+    """Check the credentials, store a new session, set its cookie on ``response`` and audit
+    the sign-in (the API's and the console's sign-in both)."""
     who = _principal_of(ctx, body)
     now = ctx.clock()
     made = access.new_session(now)
@@ -72,6 +73,11 @@ def sign_in(ctx: Ctx, request: Request, response: Response, body: SignIn) -> Ses
         secure=ctx.config.secure_cookies, samesite="strict", path="/",
     )  # fmt: skip
     return Session(name=who.name, role=who.role, via="console", csrf=made.csrf)
+
+
+@router.post("/session", response_model=Session, summary="Sign in (sets the session cookie)")
+def sign_in(ctx: Ctx, request: Request, response: Response, body: SignIn) -> Session:
+    return start_session(ctx, request, response, body)
 
 
 @router.get("/session", response_model=Session, summary="Who is signed in")
