@@ -86,6 +86,14 @@ def test_sign_in_and_the_devices_of_the_running_fleet(world: tuple[Fleet, Api]) 
         shot(driver, "signin")
         sign_in(driver, api, "olga", "/devices")
         assert driver.current_url.endswith("/devices")
+        cookie = driver.get_cookie("efsession")
+        assert cookie is not None
+        assert cookie["httpOnly"]
+        page = httpx.get(api.base + "/devices", cookies={"efsession": cookie["value"]})
+        assert page.status_code == 200
+        # Scripts only from the server itself (default-src 'self'), never framed.
+        assert page.headers["content-security-policy"].startswith("default-src 'self';")
+        assert page.headers["x-frame-options"] == "DENY"
         rows = driver.find_elements(By.CSS_SELECTOR, "#devices tbody tr")
         shown = {r.get_attribute("data-device"): r for r in rows}
         for name in f.agents:
