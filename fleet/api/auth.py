@@ -35,24 +35,24 @@ def remote(request: Request) -> str:
     return request.client.host if request.client else "unknown"
 
 
-def _from_token(ctx: ApiContext, value: str) -> Principal:
+def token_principal(ctx: ApiContext, value: str, where: str, via: str) -> Principal:
+    """The principal of an API token (the API's bearer header and the console's sign-in);
+    401 naming ``where`` for a malformed, unknown, wrong, revoked or expired one."""
     parts = access.split_token(value)
     if parts is None:
-        raise ApiProblem(
-            401, "malformed bearer token (expected eft_<id>_<secret>)", "header.Authorization"
-        )
+        raise ApiProblem(401, "malformed token (expected eft_<id>_<secret>)", where)
     token_id, secret = parts
     now = ctx.clock()
     with ctx.pool.store() as st:
         found = st.token(token_id)
         if found is None or not access.secret_matches(secret, found[1]):
-            raise ApiProblem(401, "unknown or wrong token", "header.Authorization")
+            raise ApiProblem(401, "unknown or wrong token", where)
         info = found[0]
         if not info.usable(now):
             why = "revoked" if info.revoked_ns is not None else "expired"
-            raise ApiProblem(401, f"token {info.name!r} is {why}", "header.Authorization")
+            raise ApiProblem(401, f"token {info.name!r} is {why}", where)
         st.touch_token(token_id, now)
-    return Principal(f"token:{info.name}", access.check_role(info.role), "api")
+    return Principal(f"token:{info.name}", access.check_role(info.role), via)
 
 
 def from_cookie(ctx: ApiContext, cookie: str) -> Principal | None:
@@ -72,7 +72,7 @@ def principal(request: Request, ctx: Ctx) -> Principal:
         scheme, _, value = header.partition(" ")
         if scheme.lower() != "bearer" or not value.strip():
             raise ApiProblem(401, "expected Authorization: Bearer TOKEN", "header.Authorization")
-        return _from_token(ctx, value.strip())
+        return token_principal(ctx, value.strip(), "header.Authorization", "api")
     cookie = request.cookies.get(COOKIE)
     who = from_cookie(ctx, cookie) if cookie else None
     if who is None:

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from fleet import access
 from fleet.access import Principal
 from fleet.api import views as v
-from fleet.api.auth import COOKIE, Admin, Ctx, Operator, Viewer, remote
+from fleet.api.auth import COOKIE, Admin, Ctx, Operator, Viewer, remote, token_principal
 from fleet.api.problems import ApiProblem
 from fleet.changes import Changes
 
@@ -34,14 +34,7 @@ class Session(BaseModel):
 
 def _principal_of(ctx: Ctx, body: SignIn) -> Principal:
     if body.token:
-        parts = access.split_token(body.token)
-        with ctx.pool.store() as st:
-            found = st.token(parts[0]) if parts else None
-        if parts is None or found is None or not access.secret_matches(parts[1], found[1]):
-            raise ApiProblem(401, "unknown or wrong token", "body.token")
-        if not found[0].usable(ctx.clock()):
-            raise ApiProblem(401, f"token {found[0].name!r} is revoked or expired", "body.token")
-        return Principal(f"token:{found[0].name}", access.check_role(found[0].role), "console")
+        return token_principal(ctx, body.token, "body.token", "console")
     if not body.user or body.password is None:
         raise ApiProblem(400, "give user and password, or token", "body")
     with ctx.pool.store() as st:

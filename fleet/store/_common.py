@@ -56,38 +56,64 @@ _TELEMETRY = msgspec.json.Decoder(_TelemetryBits)
 Point = tuple[str, str, int, str, int, float, float, float, int]
 
 
-def points_of(r: Row) -> list[Point]:
-    """The per-signal points of one telemetry row (its first period and every ``more``).
-    Non-finite statistics are left out: a chart cannot draw them and SQL cannot sort them.
-    A body that is not telemetry (the ingest validated it; only a tool writing rows
-    directly could) has no points: it is still stored, as every row is."""
-    try:
-        bits = _TELEMETRY.decode(r.body)
-    except (msgspec.DecodeError, ValueError):
-        return []
-    out: list[Point] = []
-    periods = [(bits.t_ns, bits.signals)] + [(p.t_ns, p.signals) for p in bits.more]
-    for t_ns, signals in periods:
-        for name, (mean, lo, hi, _last, n) in signals.items():
-            if math.isfinite(mean) and math.isfinite(lo) and math.isfinite(hi):
-                out.append((r.device, name, t_ns, r.boot_id, r.seq, mean, lo, hi, n))
-    return out
-
-
-def signal_stats(body: bytes, signal: str) -> list[tuple[int, float, float, float, int]]:
-    """``(t_ns, mean, min, max, n)`` of ``signal`` in each period of a telemetry body that
-    has it (finite statistics only); none for a body that is not telemetry."""
+def _periods(body: bytes) -> list[tuple[int, dict[str, tuple[float, float, float, float, int]]]]:
+    """``(t_ns, signals)`` of each period of a telemetry body (its first and every ``more``);
+    none for a body that is not telemetry (the ingest validated it; only a tool writing rows
+    directly could store one)."""
     try:
         bits = _TELEMETRY.decode(body)
     except (msgspec.DecodeError, ValueError):
         return []
+    return [(bits.t_ns, bits.signals)] + [(p.t_ns, p.signals) for p in bits.more]
+
+
+def _finite(mean: float, lo: float, hi: float) -> bool:
+    # A chart cannot draw a non-finite statistic and SQL cannot sort one: left out.
+    return math.isfinite(mean) and math.isfinite(lo) and math.isfinite(hi)
+
+
+def points_of(r: Row) -> list[Point]:
+    """The per-signal points of one telemetry row; a row that is not telemetry has none and
+    is still stored, as every row is."""
+    return [
+        (r.device, name, t_ns, r.boot_id, r.seq, mean, lo, hi, n)
+        for t_ns, signals in _periods(r.body)
+        for name, (mean, lo, hi, _last, n) in signals.items()
+        if _finite(mean, lo, hi)
+    ]
+
+
+def signal_stats(body: bytes, signal: str) -> list[tuple[int, float, float, float, int]]:
+    """``(t_ns, mean, min, max, n)`` of ``signal`` in each period of a telemetry body that
+    has it."""
     out = []
-    periods = [(bits.t_ns, bits.signals)] + [(p.t_ns, p.signals) for p in bits.more]
-    for t_ns, signals in periods:
+    for t_ns, signals in _periods(body):
         s = signals.get(signal)
-        if s is not None and math.isfinite(s[0]) and math.isfinite(s[1]) and math.isfinite(s[2]):
+        if s is not None and _finite(s[0], s[1], s[2]):
             out.append((t_ns, s[0], s[1], s[2], s[4]))
     return out
+
+
+class Stats:
+    """Statistics of points summed into one bucket: min of mins, max of maxes, and the mean
+    weighted by samples (the plain mean of means when no point counted a sample)."""
+
+    __slots__ = ("count", "hi", "lo", "n", "sum_mean", "sum_wmean")
+
+    def __init__(self, mean: float, lo: float, hi: float, n: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.sum_wmean, self.n, self.sum_mean, self.count = mean * n, n, mean, 1
+
+    def add(self, mean: float, lo: float, hi: float, n: int) -> None:
+        self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
+        self.sum_wmean += mean * n
+        self.n += n
+        self.sum_mean += mean
+        self.count += 1
+
+    @property
+    def mean(self) -> float:
+        return self.sum_wmean / self.n if self.n > 0 else self.sum_mean / self.count
 
 
 MINUTE_NS = 60_000_000_000
@@ -101,22 +127,17 @@ def minute_rollups(
     order): device, signal, minute, min, max, sum of mean x n, sum of n, sum of mean,
     points. A redelivered or conflicting message was not inserted, so it adds nothing."""
     everything = len(new) == messages
-    acc: dict[tuple[str, str, int], list[Any]] = {}
+    acc: dict[tuple[str, str, int], Stats] = {}
     for device, signal, t_ns, boot, seq, mean, lo, hi, n in points:
         if not everything and (device, boot, seq) not in new:
             continue
         key = (device, signal, t_ns // MINUTE_NS)
         a = acc.get(key)
         if a is None:
-            acc[key] = [lo, hi, mean * n, n, mean, 1]
+            acc[key] = Stats(mean, lo, hi, n)
         else:
-            a[0] = min(a[0], lo)
-            a[1] = max(a[1], hi)
-            a[2] += mean * n
-            a[3] += n
-            a[4] += mean
-            a[5] += 1
-    return [(*k, *v) for k, v in sorted(acc.items())]
+            a.add(mean, lo, hi, n)
+    return [(*k, a.lo, a.hi, a.sum_wmean, a.n, a.sum_mean, a.count) for k, a in sorted(acc.items())]
 
 
 @dataclass(slots=True)

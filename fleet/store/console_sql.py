@@ -44,23 +44,23 @@ class Bucket:
 LOOKBACK_NS = 10 * 60_000_000_000
 
 
-def _add(acc: dict[int, list[Any]], k: int, stat: tuple[int, float, float, float, int]) -> None:
-    t, mean, lo, hi, n = stat
-    a = acc.get(k)
-    if a is None:
-        acc[k] = [t, t, lo, hi, mean * n, n, mean, 1]
-        return
-    a[0], a[1] = min(a[0], t), max(a[1], t)
-    a[2], a[3] = min(a[2], lo), max(a[3], hi)
-    a[4] += mean * n
-    a[5] += n
-    a[6] += mean
-    a[7] += 1
+class _Bucket:
+    """A series bucket being summed: its first and last point time and their statistics."""
 
+    __slots__ = ("stats", "t0", "t1")
 
-def _bucket_of(a: list[Any]) -> Bucket:
-    mean = a[4] / a[5] if a[5] > 0 else a[6] / a[7]
-    return Bucket(a[0], a[1], float(a[2]), float(a[3]), float(mean), a[7])
+    def __init__(self, t: int, stats: _common.Stats) -> None:
+        self.t0 = self.t1 = t
+        self.stats = stats
+
+    def add(self, stat: tuple[int, float, float, float, int]) -> None:
+        t, mean, lo, hi, n = stat
+        self.t0, self.t1 = min(self.t0, t), max(self.t1, t)
+        self.stats.add(mean, lo, hi, n)
+
+    def done(self) -> Bucket:
+        s = self.stats
+        return Bucket(self.t0, self.t1, float(s.lo), float(s.hi), float(s.mean), s.count)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,12 +188,18 @@ class ConsoleSql(SqlBase):
         args = (device, since_ns - LOOKBACK_NS, until_ns)
 
         def points(db: Connection) -> list[Bucket]:
-            acc: dict[int, list[Any]] = {}
+            acc: dict[int, _Bucket] = {}
             for (body,) in db.execute(sql, args):
                 for stat in _common.signal_stats(bytes(body), signal):
-                    if since_ns <= stat[0] < until_ns:
-                        _add(acc, (stat[0] - since_ns) // bucket, stat)
-            return [_bucket_of(a) for _, a in sorted(acc.items())]
+                    t, mean, lo, hi, n = stat
+                    if not since_ns <= t < until_ns:
+                        continue
+                    k = (t - since_ns) // bucket
+                    if k in acc:
+                        acc[k].add(stat)
+                    else:
+                        acc[k] = _Bucket(t, _common.Stats(mean, lo, hi, n))
+            return [b.done() for _, b in sorted(acc.items())]
 
         return self._run("series", points)
 
