@@ -25,8 +25,9 @@ For each store, from scratch:
   after 1-4 s: each of its devices a new boot on the same outbox), and changes the worker
   count (SIGTERM, then ``fleet serve --workers 1|2|3``).
 
-Then the devices stop producing and drain (every outbox empty: each message acked by the
-broker), the bench waits for the store to hold them (or to stop growing for 60 s: the rest
+Then the devices stop producing and drain (every outbox empty: each message confirmed stored
+by the fleet, ``cmd/stored``, or only acked by the broker before a device first heard from
+the fleet), the bench waits for the store to hold them (or to stop growing for 60 s: the rest
 is lost) and for the ingest's gap audit to have
 seen the last of them (``--gap-grace`` + two checks), stops the devices cleanly (a clean
 ``offline`` with the watermark) and ``fleet serve``, and counts (definitions in

@@ -184,7 +184,7 @@ async def _unpaced(port: int, state: Path, n: int) -> float:
     t0 = time.monotonic()
     task = asyncio.create_task(up.run(), name="uplink-unpaced")
     try:
-        await _until(lambda: up.acked >= n, 120, step=0.005)
+        await _until(lambda: up.pump.acked >= n, 120, step=0.005)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

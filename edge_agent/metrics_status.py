@@ -497,7 +497,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     One(
         "edgefleet_uplink_outbox_rows",
-        "Messages waiting in the outbox (unacknowledged).",
+        "Messages in the outbox (unacknowledged, or awaiting the fleet's confirmation).",
         "gauge",
         ("uplink", "outbox_rows"),
     ),
@@ -516,6 +516,24 @@ FAMILIES: tuple[Family, ...] = (
         "Messages the broker acknowledged.",
         "counter",
         ("uplink", "acked"),
+    ),
+    One(
+        "edgefleet_uplink_awaiting_confirmation",
+        "Messages the broker acknowledged that the fleet has not confirmed stored yet.",
+        "gauge",
+        ("uplink", "awaiting_confirmation"),
+    ),
+    One(
+        "edgefleet_uplink_confirmed_total",
+        "Messages the fleet confirmed stored (cmd/stored), since start.",
+        "counter",
+        ("uplink", "confirmed"),
+    ),
+    One(
+        "edgefleet_uplink_resent_total",
+        "Messages sent again: acknowledged by the broker, never confirmed by the fleet.",
+        "counter",
+        ("uplink", "resent"),
     ),
     _uplink_dropped,
     _sources,

@@ -168,6 +168,11 @@ class FleetMetrics:
             "fleet_store_retries", "Store batches retried after a failure.", t.store_retries
         )
         yield _counter("fleet_store_batches", "Store transactions committed.", t.batches)
+        yield _counter(
+            "fleet_ingest_confirms",
+            "cmd/stored messages published to devices after a commit.",
+            t.confirms,
+        )
         yield _histogram(
             "fleet_ingest_lag_seconds",
             "A data message's age when it was stored (now - its own time).",

@@ -99,7 +99,7 @@ def test_messages_nobody_subscribed_to_stay_until_the_fleet_subscribes(tmp_path:
             await until(lambda: up.stats()["connected"] is True, 10, "connect")
             for i in range(20):
                 up.publish_decision(make_decision(i))
-            await until(lambda: up.no_subscribers >= 1, 5, "PUBACK 16")
+            await until(lambda: up.pump.no_subscribers >= 1, 5, "PUBACK 16")
             assert up.stats()["outbox_rows"] == 20  # nobody got them: all kept
             with subscriber(broker.port, "fleet-late") as sub:
                 await until(lambda: len(sub.of("decision")) >= 20, 10, "20 decisions")

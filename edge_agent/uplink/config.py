@@ -20,6 +20,11 @@ Example (every key, with its default)::
     max_inflight = 32                  # QoS 1 messages waiting for their PUBACK
     reconnect_min_ms = 500             # jittered exponential backoff between attempts
     reconnect_max_ms = 30000
+    delivery = "auto"                  # when a row leaves the outbox: "stored" (the fleet's
+                                       # cmd/stored names it), "broker" (its PUBACK), "auto"
+                                       # ("stored" once a fleet has confirmed anything)
+    confirm_timeout_s = 60             # a row the fleet has not confirmed this long after
+                                       # one acked later was, is sent again
 
     [uplink.tls]                       # optional; mutual TLS when cert_file and key_file
     ca_file = "/etc/edge-agent/ca.pem" # server CA (omit: the system's CAs)
@@ -42,7 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -103,6 +108,8 @@ class UplinkSection(StrictModel):
     max_inflight: Annotated[int, Field(ge=1, le=65_535)] = 32
     reconnect_min_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 500
     reconnect_max_ms: Annotated[int, Field(ge=1, le=3_600_000)] = 30_000
+    delivery: Literal["auto", "stored", "broker"] = "auto"
+    confirm_timeout_s: Annotated[float, Field(ge=1, le=86_400, allow_inf_nan=False)] = 60.0
 
     @model_validator(mode="after")
     def _consistent(self) -> UplinkSection:

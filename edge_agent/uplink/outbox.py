@@ -5,18 +5,23 @@ after a restart keeps its numbers and the fleet's idempotent ingest sees one gap
 per boot. SQLite WAL (``synchronous=NORMAL``), one short transaction per put, inline on the
 loop. Bounded by bytes (telemetry goes first; decisions and OTA status have a reserve),
 every drop counted per kind (:meth:`Outbox.stats`); a corrupt file is moved aside; the
-``boots`` table keeps each boot's final count for the epitaph. The policy and why:
-``docs/ARCHITECTURE.md``, section "Uplink and fleet ingest".
+``boots`` table keeps each boot's final count for the epitaph. A row the broker acknowledged
+is deleted then, or, once the fleet confirms what it stores, kept (``acked_ns`` set) until
+the fleet's ``cmd/stored`` names it (:meth:`Outbox.confirm`). The policy and why:
+``docs/ARCHITECTURE.md``, sections "Uplink and fleet ingest" and "Stored, not just
+delivered".
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,7 +30,7 @@ from edge_agent.uplink.errors import OutboxError
 
 log = logging.getLogger(__name__)
 
-_SCHEMA_VERSION = 2
+_SCHEMA_VERSION = 3
 #: Previous boots kept for their epitaph (see :meth:`Outbox.previous_boots`).
 MAX_PREVIOUS_BOOTS = 16
 _BUSY_TIMEOUT_S = 5.0
@@ -34,6 +39,11 @@ DROPPABLE = "telemetry"
 
 
 _NUMBERED = "UPDATE boots SET next_seq = MAX(next_seq, ?) WHERE boot_id = ?"
+_COUNTS = (
+    "SELECT COUNT(*), COALESCE(SUM(bytes), 0), "
+    "COALESCE(SUM(CASE WHEN kind = ? THEN bytes ELSE 0 END), 0), "
+    "COUNT(acked_ns) FROM outbox"
+)
 
 
 class OutboxRow(NamedTuple):
@@ -45,6 +55,16 @@ class OutboxRow(NamedTuple):
     seq: int
     bytes: int
     t_ns: int
+
+
+@dataclass(slots=True)
+class _Counts:
+    """The outbox's running totals while a transaction changes them."""
+
+    rows: int
+    total: int
+    droppable: int
+    awaiting: int
 
 
 class Session:
@@ -116,6 +136,10 @@ class Outbox:
         except OSError as exc:
             raise OutboxError(f"{self.path}: cannot open the outbox: {exc}") from exc
         self._rows, self._bytes, self._droppable_bytes = int(row[0]), int(row[1]), int(row[2])
+        #: Rows the broker acknowledged that wait for the fleet's confirmation.
+        self._awaiting = int(row[3])
+        #: Rows the fleet's ``cmd/stored`` confirmed (deleted), since start.
+        self.confirmed = 0
         try:
             self._start_boot()
         except sqlite3.Error as exc:
@@ -124,8 +148,7 @@ class Outbox:
     def _start_boot(self) -> None:
         """Record this boot; forget earlier ones that numbered nothing (no tail to lose)
         and all but the newest MAX_PREVIOUS_BOOTS others."""
-        self._conn.execute("BEGIN IMMEDIATE")
-        try:
+        with self._tx():
             self._conn.execute("DELETE FROM boots WHERE next_seq = 0")
             self._conn.execute(
                 "DELETE FROM boots WHERE boot_id NOT IN "
@@ -136,12 +159,19 @@ class Outbox:
                 "INSERT OR IGNORE INTO boots (boot_id, next_seq, started_ns) VALUES (?, 0, ?)",
                 (self.boot_id, self._clock_ns()),
             )
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[None]:
+        """One write transaction (``BEGIN IMMEDIATE``), rolled back on any exception."""
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
             self._conn.execute("COMMIT")
         except BaseException:
             self._conn.execute("ROLLBACK")
             raise
 
-    def _open(self) -> tuple[int, int, int]:
+    def _open(self) -> tuple[int, int, int, int]:
         # check_same_thread=False: the uplink closes it from a worker thread at exit.
         self._conn = sqlite3.connect(
             self.path, isolation_level=None, timeout=_BUSY_TIMEOUT_S, check_same_thread=False
@@ -152,12 +182,8 @@ class Outbox:
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.execute("PRAGMA journal_size_limit=4194304")
         self._migrate()
-        row = self._conn.execute(
-            "SELECT COUNT(*), COALESCE(SUM(bytes), 0), "
-            "COALESCE(SUM(CASE WHEN kind = ? THEN bytes ELSE 0 END), 0) FROM outbox",
-            (DROPPABLE,),
-        ).fetchone()
-        return int(row[0]), int(row[1]), int(row[2])
+        row = self._conn.execute(_COUNTS, (DROPPABLE,)).fetchone()
+        return int(row[0]), int(row[1]), int(row[2]), int(row[3])
 
     def _move_aside(self, problem: Exception) -> Path:
         """``outbox.db`` -> ``outbox.db.corrupt-<stamp>`` with its -wal/-shm; fsync the dir."""
@@ -191,7 +217,19 @@ class Outbox:
             " id INTEGER PRIMARY KEY AUTOINCREMENT,"
             " kind TEXT NOT NULL, topic TEXT NOT NULL, payload BLOB NOT NULL,"
             " boot_id TEXT NOT NULL, seq INTEGER NOT NULL,"
-            " bytes INTEGER NOT NULL, t_ns INTEGER NOT NULL)"
+            " bytes INTEGER NOT NULL, t_ns INTEGER NOT NULL, acked_ns INTEGER)"
+        )
+        # v3: when the broker acknowledged a row kept for the fleet's confirmation.
+        columns = {r[1] for r in self._conn.execute("PRAGMA table_info(outbox)")}
+        if "acked_ns" not in columns:
+            self._conn.execute("ALTER TABLE outbox ADD COLUMN acked_ns INTEGER")
+        self._conn.execute("CREATE INDEX IF NOT EXISTS outbox_seq ON outbox (boot_id, seq)")
+        self._conn.execute(
+            "CREATE INDEX IF NOT EXISTS outbox_acked ON outbox (acked_ns)"
+            " WHERE acked_ns IS NOT NULL"
+        )
+        self._conn.execute(
+            "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
         )
         # The telemetry trim walks this index instead of the whole table.
         self._conn.execute("CREATE INDEX IF NOT EXISTS outbox_kind ON outbox (kind, id)")
@@ -229,8 +267,7 @@ class Outbox:
             )
             return False
         try:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
+            with self._tx():
                 cur = self._conn.execute(
                     "INSERT INTO outbox (kind, topic, payload, boot_id, seq, bytes, t_ns)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -238,40 +275,22 @@ class Outbox:
                 )
                 new_id = cur.lastrowid
                 self._conn.execute(_NUMBERED, (seq + 1, self.boot_id))
-                rows, total, droppable = self._rows + 1, self._bytes + size, self._droppable_bytes
-                if kind == DROPPABLE:
-                    droppable += size
+                counts = _Counts(
+                    self._rows + 1,
+                    self._bytes + size,
+                    self._droppable_bytes + (size if kind == DROPPABLE else 0),
+                    self._awaiting,
+                )
                 gone: dict[str, int] = {}
-                kept = True
-                if total > self.max_bytes and droppable > 0:
-                    for rid, rkind, rbytes in self._oldest(DROPPABLE):
-                        if total <= self.max_bytes:
-                            break
-                        self._conn.execute("DELETE FROM outbox WHERE id = ?", (rid,))
-                        rows, total, droppable = rows - 1, total - rbytes, droppable - rbytes
-                        gone[rkind] = gone.get(rkind, 0) + 1
-                        kept = kept and rid != new_id
-                if total > self.hard_cap:
-                    for rid, rkind, rbytes in self._oldest(None):
-                        if total <= self.hard_cap:
-                            break
-                        self._conn.execute("DELETE FROM outbox WHERE id = ?", (rid,))
-                        rows, total = rows - 1, total - rbytes
-                        if rkind == DROPPABLE:
-                            droppable -= rbytes
-                        gone[rkind] = gone.get(rkind, 0) + 1
-                        kept = kept and rid != new_id
-                self._conn.execute("COMMIT")
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
+                kept = self._trim(counts, gone, new_id)
         except sqlite3.Error as exc:
             self.put_errors += 1
             self.dropped[kind] = self.dropped.get(kind, 0) + 1
             self.last_error = f"outbox put: {exc}"
             log.error("uplink outbox %s: cannot store a %s message: %s", self.path, kind, exc)
             return False
-        self._rows, self._bytes, self._droppable_bytes = rows, total, droppable
+        self._rows, self._bytes = counts.rows, counts.total
+        self._droppable_bytes, self._awaiting = counts.droppable, counts.awaiting
         for k, n in gone.items():
             self.dropped[k] = self.dropped.get(k, 0) + n
         if gone:
@@ -279,6 +298,25 @@ class Outbox:
                 "uplink outbox over its cap: dropped %s (oldest first)",
                 ", ".join(f"{n} {k}" for k, n in sorted(gone.items())),
             )
+        return kept
+
+    def _trim(self, c: _Counts, gone: dict[str, int], new_id: int | None) -> bool:
+        """Delete the oldest telemetry while over ``max_bytes``, then the oldest of any kind
+        while over the hard cap (in the caller's transaction), counting each in ``gone``
+        and out of ``c``. False if the row ``new_id`` itself went."""
+        kept = True
+        for kind, cap in ((DROPPABLE, self.max_bytes), (None, self.hard_cap)):
+            if c.total <= cap or (kind is not None and c.droppable <= 0):
+                continue
+            for rid, rkind, rbytes, acked in self._oldest(kind):
+                if c.total <= cap:
+                    break
+                self._conn.execute("DELETE FROM outbox WHERE id = ?", (rid,))
+                c.rows, c.total, c.awaiting = c.rows - 1, c.total - rbytes, c.awaiting - acked
+                if rkind == DROPPABLE:
+                    c.droppable -= rbytes
+                gone[rkind] = gone.get(rkind, 0) + 1
+                kept = kept and rid != new_id
         return kept
 
     def _numbered(self, seq: int) -> None:
@@ -322,25 +360,27 @@ class Outbox:
         except sqlite3.Error as exc:
             self.last_error = f"outbox boots: {exc}"
 
-    def _oldest(self, kind: str | None) -> Iterable[tuple[int, str, int]]:
-        """Oldest rows (of ``kind``, or of any kind), in pages, for the trim loops."""
+    def _oldest(self, kind: str | None) -> Iterable[tuple[int, str, int, int]]:
+        """Oldest rows (of ``kind``, or of any kind), in pages, for the trim loops:
+        ``(id, kind, bytes, 1 if it waits for the fleet's confirmation else 0)``."""
         after = 0
         while True:
             if kind is None:
                 page = self._conn.execute(
-                    "SELECT id, kind, bytes FROM outbox WHERE id > ? ORDER BY id LIMIT 256",
+                    "SELECT id, kind, bytes, acked_ns IS NOT NULL FROM outbox WHERE id > ?"
+                    " ORDER BY id LIMIT 256",
                     (after,),
                 ).fetchall()
             else:
                 page = self._conn.execute(
-                    "SELECT id, kind, bytes FROM outbox WHERE kind = ? AND id > ?"
-                    " ORDER BY id LIMIT 256",
+                    "SELECT id, kind, bytes, acked_ns IS NOT NULL FROM outbox"
+                    " WHERE kind = ? AND id > ? ORDER BY id LIMIT 256",
                     (kind, after),
                 ).fetchall()
             if not page:
                 return
-            for rid, rkind, rbytes in page:
-                yield int(rid), str(rkind), int(rbytes)
+            for rid, rkind, rbytes, acked in page:
+                yield int(rid), str(rkind), int(rbytes), int(acked)
             after = int(page[-1][0])
 
     def ack(self, ids: Iterable[int]) -> int:
@@ -350,22 +390,14 @@ class Outbox:
             return 0
         deleted = 0
         try:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
+            with self._tx():
                 for rid in wanted:
                     row = self._conn.execute(
-                        "DELETE FROM outbox WHERE id = ? RETURNING kind, bytes", (rid,)
+                        "DELETE FROM outbox WHERE id = ? RETURNING kind, bytes, acked_ns", (rid,)
                     ).fetchone()
                     if row is not None:
                         deleted += 1
-                        self._rows -= 1
-                        self._bytes -= int(row[1])
-                        if row[0] == DROPPABLE:
-                            self._droppable_bytes -= int(row[1])
-                self._conn.execute("COMMIT")
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
+                        self._forget(row)
         except sqlite3.Error as exc:
             # The rows stay and are sent again after the next reconnect: a duplicate, which
             # the fleet's idempotent ingest absorbs, rather than a loss.
@@ -375,16 +407,121 @@ class Outbox:
             return 0
         return deleted
 
+    def _forget(self, row: tuple[str, int, int | None]) -> None:
+        """Count out a deleted row (its ``kind, bytes, acked_ns``)."""
+        self._rows -= 1
+        self._bytes -= int(row[1])
+        if row[0] == DROPPABLE:
+            self._droppable_bytes -= int(row[1])
+        if row[2] is not None:
+            self._awaiting -= 1
+
+    def mark_acked(self, ids: Iterable[int]) -> int:
+        """The broker acknowledged these rows: keep them until the fleet confirms them
+        (:meth:`confirm`), stamped with now. Returns how many were still there."""
+        wanted = [(self._clock_ns(), rid) for rid in ids]
+        if not wanted:
+            return 0
+        marked = newly = 0
+        try:
+            with self._tx():
+                for now, rid in wanted:
+                    cur = self._conn.execute(
+                        "UPDATE outbox SET acked_ns = ? WHERE id = ? AND acked_ns IS NULL",
+                        (now, rid),
+                    )
+                    if cur.rowcount == 1:
+                        newly += 1
+                    else:  # sent again (stale): its wait starts over
+                        cur = self._conn.execute(
+                            "UPDATE outbox SET acked_ns = ? WHERE id = ?", (now, rid)
+                        )
+                    marked += cur.rowcount
+        except sqlite3.Error as exc:
+            self.last_error = f"outbox ack: {exc}"
+            log.error("uplink outbox %s: cannot mark acked rows: %s", self.path, exc)
+            self._recount()
+            return 0
+        self._awaiting += newly
+        return marked
+
+    def confirm(self, boot_id: str, ranges: Iterable[tuple[int, int]]) -> tuple[int, int]:
+        """The fleet stored seqs ``first..last`` of ``boot_id``: delete those rows, acked or
+        not. Returns ``(rows deleted, the latest acked_ns among them or 0)``."""
+        deleted = latest = 0
+        try:
+            with self._tx():
+                for first, last in ranges:
+                    for row in self._conn.execute(
+                        "DELETE FROM outbox WHERE boot_id = ? AND seq BETWEEN ? AND ?"
+                        " RETURNING kind, bytes, acked_ns",
+                        (boot_id, first, last),
+                    ).fetchall():
+                        deleted += 1
+                        self._forget(row)
+                        if row[2] is not None:
+                            latest = max(latest, int(row[2]))
+                if not self.fleet_confirms:
+                    self._conn.execute(
+                        "INSERT OR REPLACE INTO meta (key, value) VALUES ('fleet_confirms', '1')"
+                    )
+        except sqlite3.Error as exc:
+            # The rows stay and are sent again later: a duplicate, not a loss.
+            self.last_error = f"outbox confirm: {exc}"
+            log.error("uplink outbox %s: cannot delete confirmed rows: %s", self.path, exc)
+            self._recount()
+            return 0, 0
+        self._fleet_confirms = True
+        self.confirmed += deleted
+        return deleted, latest
+
+    @property
+    def fleet_confirms(self) -> bool:
+        """Whether a fleet ever confirmed a row of this outbox (``cmd/stored``): from then
+        on, in the ``auto`` delivery mode, rows are kept after their PUBACK."""
+        cached: bool | None = getattr(self, "_fleet_confirms", None)
+        if cached is None:
+            try:
+                row = self._conn.execute(
+                    "SELECT value FROM meta WHERE key = 'fleet_confirms'"
+                ).fetchone()
+            except sqlite3.Error:
+                return False
+            cached = self._fleet_confirms = row is not None
+        return cached
+
+    def stale(self, acked_before_ns: int, limit: int) -> list[OutboxRow]:
+        """Up to ``limit`` rows, oldest first, that the broker acknowledged before
+        ``acked_before_ns`` and the fleet has not confirmed: to send again. Each is stamped
+        with now, so it is not picked again before its new acknowledgement ages too."""
+        try:
+            with self._tx():
+                rows = self._conn.execute(
+                    "SELECT id, kind, topic, payload, boot_id, seq, bytes, t_ns FROM outbox"
+                    " WHERE acked_ns < ? ORDER BY id LIMIT ?",
+                    (acked_before_ns, limit),
+                ).fetchall()
+                now = self._clock_ns()
+                self._conn.executemany(
+                    "UPDATE outbox SET acked_ns = ? WHERE id = ?", [(now, r[0]) for r in rows]
+                )
+        except sqlite3.Error as exc:
+            self.last_error = f"outbox stale: {exc}"
+            return []
+        return [_row(r) for r in rows]
+
+    @property
+    def awaiting(self) -> int:
+        """Rows the broker acknowledged that wait for the fleet's confirmation."""
+        return self._awaiting
+
     def _recount(self) -> None:
         try:
-            row = self._conn.execute(
-                "SELECT COUNT(*), COALESCE(SUM(bytes), 0), "
-                "COALESCE(SUM(CASE WHEN kind = ? THEN bytes ELSE 0 END), 0) FROM outbox",
-                (DROPPABLE,),
-            ).fetchone()
+            row = self._conn.execute(_COUNTS, (DROPPABLE,)).fetchone()
         except sqlite3.Error:
             return
         self._rows, self._bytes, self._droppable_bytes = int(row[0]), int(row[1]), int(row[2])
+        self._awaiting = int(row[3])
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -400,10 +537,7 @@ class Outbox:
             self.last_error = f"outbox peek: {exc}"
             log.error("uplink outbox %s: cannot read: %s", self.path, exc)
             return []
-        return [
-            OutboxRow(int(r[0]), r[1], r[2], bytes(r[3]), r[4], int(r[5]), int(r[6]), int(r[7]))
-            for r in rows
-        ]
+        return [_row(r) for r in rows]
 
     def __len__(self) -> int:
         return self._rows
@@ -414,6 +548,8 @@ class Outbox:
             "rows": self._rows,
             "bytes": self._bytes,
             "telemetry_bytes": self._droppable_bytes,
+            "awaiting_confirmation": self._awaiting,
+            "confirmed": self.confirmed,
             "max_bytes": self.max_bytes,
             "hard_cap_bytes": self.hard_cap,
             "dropped": dict(self.dropped),
@@ -428,6 +564,19 @@ class Outbox:
             self._conn.close()
         except sqlite3.Error as exc:
             log.warning("uplink outbox %s: close failed: %s", self.path, exc)
+
+
+def _row(r: tuple[object, ...]) -> OutboxRow:
+    return OutboxRow(
+        int(r[0]),  # type: ignore[call-overload]
+        str(r[1]),
+        str(r[2]),
+        bytes(r[3]),  # type: ignore[call-overload]
+        str(r[4]),
+        int(r[5]),  # type: ignore[call-overload]
+        int(r[6]),  # type: ignore[call-overload]
+        int(r[7]),  # type: ignore[call-overload]
+    )
 
 
 __all__ = ["DROPPABLE", "Outbox", "OutboxRow", "Session"]

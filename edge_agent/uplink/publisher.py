@@ -11,8 +11,9 @@ sent again from the outbox (QoS 1 may duplicate; the fleet dedups on ``(boot_id,
 
 Delivery: every data message (live or backlog) goes through the outbox and leaves it in id
 order, paced by a token bucket (``replay_rate_per_s``) and a window of ``max_inflight``
-unacknowledged PUBLISHes. A row is deleted only when its PUBACK arrives. After an outage the
-backlog drains at the paced rate while new rows append behind it.
+unacknowledged PUBLISHes. A row is deleted when its PUBACK arrives, or, once the fleet
+confirms what it stores, when its ``cmd/stored`` names it (:mod:`.delivery`). After an
+outage the backlog drains at the paced rate while new rows append behind it.
 
 State (``.../state``, retained, QoS 1): ``online`` at every connect, ``offline`` with
 ``clean=False`` as the Last Will, and a clean ``offline`` at :meth:`Uplink.run`'s end.
@@ -41,10 +42,10 @@ from edge_agent.gates import set_socket_priority
 from edge_agent.rules import Decision
 from edge_agent.uplink.config import UplinkSection
 from edge_agent.uplink.outbox import Outbox, Session
+from edge_agent.uplink.pump import Pump
 from wire.errors import WireError
 from wire.messages import (
     KINDS,
-    MAX_PAYLOAD_BYTES,
     DecisionMsg,
     Message,
     StateMsg,
@@ -67,34 +68,8 @@ OFFLINE_ACK_S = 0.5
 Build = Callable[[str, int], Message]
 
 
-class _TokenBucket:
-    """``rate`` tokens per second, at most ``burst`` saved up. Time comes from ``monotonic``."""
-
-    def __init__(self, rate: float, burst: float, monotonic: Callable[[], float]) -> None:
-        self.rate = rate
-        self.burst = burst
-        self._now = monotonic
-        self._tokens = burst
-        self._t = monotonic()
-
-    def available(self) -> int:
-        now = self._now()
-        self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate)
-        self._t = now
-        return int(self._tokens)
-
-    def spend(self, n: int) -> None:
-        self._tokens -= n
-
-    def wait_s(self) -> float:
-        """Seconds until one whole token is there."""
-        return max(0.0, (1.0 - self._tokens) / self.rate)
-
-
 #: MQTT 5 PUBACK reason 16: accepted, but no subscription matched.
 NO_MATCHING_SUBSCRIBERS = 16
-#: Pause before sending a row again that nobody was subscribed to.
-NO_SUBSCRIBERS_RETRY_S = 1.0
 
 
 class Uplink:
@@ -150,26 +125,16 @@ class Uplink:
         self._client: mqtt.Client | None = None
         self._connecting: asyncio.Future[Any] | None = None
         self._connected = False
-        self._inflight: dict[int, tuple[int, str]] = {}  # mid -> (row id, kind)
         self._epitaphs: dict[int, str] = {}  # mid -> the earlier boot it ends
-        self._acks: list[int] = []
-        self._cursor = 0
-        self._bucket = _TokenBucket(
-            section.replay_rate_per_s,
-            max(1.0, min(section.replay_rate_per_s, float(section.max_inflight))),
-            time.monotonic,
+        #: Messages never sent, per kind (invalid at publish, or over the wire limit).
+        self.invalid: dict[str, int] = {}
+        self.pump = Pump(
+            self.outbox, section, wake=self._wake, invalid=self.invalid, clock_ns=clock_ns
         )
         self._ran = False
         #: Set once run() is cancelled: a connection lost from then on is part of stopping.
         self._stopping = False
         # counters (event loop thread only)
-        self.sent = 0
-        self.acked = 0
-        self.rejected: dict[str, int] = {}
-        self.no_subscribers = 0
-        self._resend_from: int | None = None
-        self._hold_until = 0.0
-        self.invalid: dict[str, int] = {}
         self.queued: dict[str, int] = {}
         self.connect_attempts = 0
         self.connects = 0
@@ -250,19 +215,8 @@ class Uplink:
             "boot_id": self.session.boot_id,
             "next_seq": self.session.next_seq,
             "queued": dict(self.queued),
-            "sent": self.sent,
-            "acked": self.acked,
-            "inflight": len(self._inflight),
-            "backlog_rows": ob["rows"],
-            "outbox_rows": ob["rows"],
-            "outbox_bytes": ob["bytes"],
-            "dropped": ob["dropped"],
+            **self.pump.stats(),
             "invalid": dict(self.invalid),
-            "rejected": dict(self.rejected),
-            "no_subscribers": self.no_subscribers,
-            "outbox_errors": ob["put_errors"],
-            # 1 when the outbox was found corrupt at start, moved aside and started empty.
-            "outbox_corrupt_recoveries": ob["corrupt_recoveries"],
             "connect_attempts": self.connect_attempts,
             "connects": self.connects,
             "reconnects": max(0, self.connects - 1),
@@ -272,7 +226,7 @@ class Uplink:
             "command_errors": self.command_errors,
             "epitaphs": self.epitaphs,
             "socket_priority": self.socket_priority,
-            "last_error": self.last_error or ob["last_error"],
+            "last_error": self.last_error or self.pump.last_error or ob["last_error"],
         }
 
     # -- messages of our own -------------------------------------------------------------------
@@ -418,40 +372,21 @@ class Uplink:
     ) -> None:
         if client is not self._client:
             return  # a PUBACK of a connection we already gave up: its row is sent again
-        entry = self._inflight.pop(mid, None)
-        if entry is None:
-            ended = self._epitaphs.pop(mid, None)
-            if ended is not None and not failed and not nobody:
-                self.outbox.forget_boot(ended)
-                self.epitaphs += 1
-            return  # a state message
-        row_id, kind = entry
-        if nobody:
-            # "No matching subscribers": the broker took it but nobody will get it. The
-            # fleet's subscription can be missing for a moment (Mosquitto 2.0 does not
-            # restore shared subscriptions of persistent sessions after a restart), so the
-            # row stays and is sent again, in order, after a pause.
-            self.no_subscribers += 1
-            if self._resend_from is None or row_id < self._resend_from:
-                self._resend_from = row_id
-            self._hold_until = time.monotonic() + NO_SUBSCRIBERS_RETRY_S
-            self._wake.set()
+        if self.pump.puback(mid, failed, why, nobody):
             return
-        if failed:
-            # The broker refused it (e.g. not authorised): sending it again cannot help.
-            self.rejected[kind] = self.rejected.get(kind, 0) + 1
-            self.last_error = f"broker refused a {kind} message: {why}"
-            log.warning("uplink: broker refused a %s message: %s", kind, why)
-        else:
-            self.acked += 1
-        self._acks.append(row_id)
-        self._wake.set()
+        ended = self._epitaphs.pop(mid, None)  # else a state message
+        if ended is not None and not failed and not nobody:
+            self.outbox.forget_boot(ended)
+            self.epitaphs += 1
 
     def _on_command(self, topic_name: str, payload: bytes) -> None:
         prefix = f"{self.root}/cmd/"
         if not topic_name.startswith(prefix):
             return
         name = topic_name.removeprefix(prefix)
+        if name == "stored":
+            self.pump.stored(payload)
+            return
         self.commands += 1
         if self.on_command is None:
             log.info("uplink: command %r ignored (no handler)", name[:128])
@@ -483,7 +418,8 @@ class Uplink:
             while True:
                 if await self._connect_once():
                     attempt = 0
-                    await self._drain()
+                    if self._client is not None:
+                        await self.pump.drain(self._client, lambda: self._connected)
                     await self._teardown()
                 else:
                     await self._teardown()
@@ -494,9 +430,7 @@ class Uplink:
             raise
         finally:
             await self._teardown()
-            if self._acks:
-                acks, self._acks = self._acks, []
-                self.outbox.ack(acks)
+            self.pump.settle()
             self.outbox.close()
 
     def _backoff_s(self, attempt: int) -> float:
@@ -539,13 +473,7 @@ class Uplink:
             return self._failed(f"broker refused the connection: {why}")
         self.connects += 1
         self._connected = True
-        self._inflight.clear()
-        if self._acks:
-            # Rows the broker acked just before the last connection went: delete them now,
-            # or they would all be sent again (duplicates for the fleet to drop).
-            acks, self._acks = self._acks, []
-            self.outbox.ack(acks)
-        self._cursor = 0
+        self.pump.connected()
         log.info(
             "uplink: connected to %s:%s as %r (boot %s, backlog %d)",
             s.host,
@@ -586,81 +514,10 @@ class Uplink:
         self.last_error = why
         return False
 
-    async def _drain(self, *, until_idle: bool = False) -> None:
-        """Send outbox rows while connected (or, ``until_idle``, until nothing is left)."""
-        max_inflight = self.section.max_inflight
-        while self._connected:
-            self._wake.clear()
-            if self._acks:
-                acks, self._acks = self._acks, []
-                self.outbox.ack(acks)
-            if self._resend_from is not None:
-                self._cursor = min(self._cursor, self._resend_from - 1)
-                self._resend_from = None
-            if until_idle and not self._inflight and not self.outbox.peek(self._cursor, 1):
-                return
-            hold = self._hold_until - time.monotonic()
-            if hold > 0:
-                if until_idle:
-                    return  # shutting down: the rows wait in the outbox for the next start
-                await self._woken(hold)
-                continue
-            timeout: float | None = None
-            free = max_inflight - len(self._inflight)
-            if free > 0:
-                n = min(free, self._bucket.available())
-                if n > 0:
-                    rows = self.outbox.peek(self._cursor, n)
-                    self._send(rows)
-                    if len(rows) == n:
-                        timeout = self._bucket.wait_s()
-                else:
-                    timeout = self._bucket.wait_s()
-            await self._woken(timeout)
-
-    async def _woken(self, timeout: float | None) -> None:
-        """Wait up to ``timeout`` s for ``_wake``.
-
-        Not ``asyncio.wait_for``: on Python 3.11 it swallows a cancel that arrives in the
-        step the event is set, and the agent does exactly that at stop (it publishes its
-        last windows, then cancels the uplink), so the uplink would never end.
-        """
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await self._wake.wait()
-
-    def _send(self, rows: list[Any]) -> None:
-        client = self._client
-        if client is None:
-            return
-        for row in rows:
-            if len(row.payload) > MAX_PAYLOAD_BYTES:
-                # publish() never stores one (wire.decode caps it), but an outbox written by
-                # another build could hold one: the fleet's ingest would never get it (its
-                # Maximum Packet Size), so it is never sent, and counted.
-                self.invalid[row.kind] = self.invalid.get(row.kind, 0) + 1
-                self.last_error = (
-                    f"outbox row {row.id}: a {row.kind} payload of {len(row.payload)} bytes is "
-                    f"over the wire limit of {MAX_PAYLOAD_BYTES}; dropped unsent"
-                )
-                log.error("uplink: %s", self.last_error)
-                self._acks.append(row.id)
-                self._cursor = row.id
-                continue
-            info = client.publish(row.topic, row.payload, qos=1)
-            if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
-                # The connection is going down; on_disconnect follows and we resend later.
-                self.last_error = f"publish: {mqtt.error_string(info.rc)}"
-                return
-            self._inflight[info.mid] = (row.id, row.kind)
-            self._cursor = row.id
-            self._bucket.spend(1)
-            self.sent += 1
-
     async def _teardown(self) -> None:
         client, self._client = self._client, None
         self._connected = False
-        self._inflight.clear()
+        self.pump.lost()
         if client is None:
             return
         connecting, self._connecting = self._connecting, None
@@ -685,10 +542,8 @@ class Uplink:
             return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(FLUSH_S):
-                await self._drain(until_idle=True)
-        if self._acks:
-            acks, self._acks = self._acks, []
-            self.outbox.ack(acks)
+                await self.pump.drain(client, lambda: self._connected, until_idle=True)
+        self.pump.settle()
         if self._connected:
             info = client.publish(
                 self.state_topic, self._state("offline", clean=True), qos=1, retain=True

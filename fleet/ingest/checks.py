@@ -37,6 +37,9 @@ class BatchOutcome:
     notes: list[tuple[str, str]] = field(default_factory=list)
     #: The device time (UNIX ns) of each data message stored or found stored: the lag.
     t_ns: list[int] = field(default_factory=list)
+    #: ``(site, device, boot_id, seq)`` of each data message stored or found stored (or
+    #: kept as the first of a conflict): what the devices are told is stored (cmd/stored).
+    stored: list[tuple[str, str, str, int]] = field(default_factory=list)
 
 
 # Topics repeat (a few per device): caching the parse saves two regex matches per message.
@@ -192,6 +195,7 @@ def process_batch(
             rows.append(row)
     if rows:
         out.t_ns = [r.t_ns for r in rows]
+        out.stored = [(r.site, r.device, r.boot_id, r.seq) for r in rows]
         result = store.ingest(rows)
         out.inserted, out.duplicates = result.inserted, result.duplicates
         out.conflicts = result.conflicts

@@ -79,6 +79,9 @@ class IngestConfig:
     gap_grace_s: float = 30.0
     #: How often the worker audits the messages received since its last audit; 0: never.
     gap_check_s: float = 5.0
+    #: Tell each device which of its seqs are committed (``cmd/stored``, QoS 0), so its
+    #: outbox keeps a message until it is stored, not only until the broker has it.
+    confirm: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch_max <= 100_000:
@@ -132,6 +135,13 @@ class IngestStats:
     #: when the broker lost them (a crash since its last save).
     held_over: int = 0
     store_retries: int = 0
+    #: ``cmd/stored`` messages published to devices after a commit (and failed to publish:
+    #: the connection was down; the device sends those rows again).
+    confirms: int = 0
+    confirm_errors: int = 0
+    #: UNIX ns before which this worker has stored what its session held (0: not yet known;
+    #: see fleet.ingest.gapwatch). Not summed: fleet serve takes the lowest.
+    horizon_ns: int = 0
     connects: int = 0
     #: Holes found in devices' seqs while running (each logged at WARNING), and the seqs
     #: they miss: messages a broker dropped for the ingest (or a device never sent).
@@ -177,7 +187,7 @@ class IngestStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("acked", "dropped", "dropped_qos0", "held_over", "store_retries", "connects"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("gaps", "gap_seqs"):
+        for name in ("gaps", "gap_seqs", "confirms", "confirm_errors"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.connect_failures += other.connect_failures
         self.queue_depth += other.queue_depth

@@ -19,6 +19,15 @@ older messages may still be pending) audits wait ``grace_s`` after the failure. 
 filled later still than that (messages parked in the session of a worker that is down
 until it comes back) is reported anyway; ``fleet gaps`` always reads the store as it is.
 
+Under ``fleet serve`` the audit also waits for the ingest to have caught up: each worker
+reports a horizon (:func:`horizon_after`: now while it stores fresh messages or has none
+waiting, else the time of the backlog it is storing; frozen while it is not connected),
+``fleet serve`` hands every worker the lowest (0 while a session is being drained), and
+only messages received before it are audited (:meth:`GapWatch.due`). A restarted worker's
+session delivering minutes-old messages then holds the audit instead of making its share
+look missing. A horizon held longer than ``HOLD_MAX_S`` (a worker gone for good, a device
+clock far behind) is passed over, and what is missing then is reported.
+
 The first audit of a worker starts ``grace_s + check_s`` before it started, so a hole
 behind the first messages after a restart, the case of a broker that dropped messages
 while ``fleet serve`` was down, is found; holes behind messages received just before a
@@ -36,6 +45,10 @@ from fleet.store import Gap
 _SEC = 1_000_000_000
 #: Ranges shown per (device, boot) in one log line; the rest are counted.
 SHOWN_RANGES = 5
+#: Longest an audit waits for the ingest's horizon beyond the grace.
+HOLD_MAX_S = 600.0
+#: A worker connected this long with nothing to store has caught up.
+SETTLE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -56,9 +69,12 @@ class GapWatch:
         grace, check = int(grace_s * _SEC), int(check_s * _SEC)
         return cls(grace_ns=grace, check_ns=check, cursor_ns=now_ns - grace - check)
 
-    def due(self, now_ns: int) -> tuple[int, int] | None:
-        """``(since_ns, until_ns)`` to audit now, or None."""
+    def due(self, now_ns: int, horizon_ns: int | None = None) -> tuple[int, int] | None:
+        """``(since_ns, until_ns)`` to audit now, or None. ``horizon_ns``: the ingest has
+        stored everything sent before it (None: not known, only the grace applies)."""
         until = now_ns - self.grace_ns
+        if horizon_ns is not None:
+            until = min(until, max(horizon_ns, until - int(HOLD_MAX_S * _SEC)))
         if now_ns < self.next_ns or until <= self.cursor_ns:
             return None
         return self.cursor_ns, until
@@ -77,6 +93,29 @@ class GapWatch:
 
     def connected(self, now_ns: int) -> None:
         self.connected_ns = now_ns
+
+
+def horizon_after(
+    previous_ns: int,
+    now_ns: int,
+    *,
+    stored_t_ns: Sequence[int] = (),
+    waiting: bool = False,
+    settled: bool = False,
+    grace_ns: int,
+) -> int:
+    """A worker's horizon (see the module docstring) after it committed messages of these
+    device times (``stored_t_ns``): now if they were fresh and nothing is ``waiting`` in
+    its queue, else their time. With nothing stored, when idle: now once ``settled``
+    (connected, and nothing committed, for ``SETTLE_S``: what the broker had for it would
+    have come), else the previous horizon."""
+    if stored_t_ns:
+        # The middle one: a device whose clock is off cannot hold the whole ingest.
+        middle = sorted(stored_t_ns)[len(stored_t_ns) // 2]
+        if waiting or middle < now_ns - grace_ns:
+            return min(middle, now_ns)  # more to store, or a backlog (its queue may refill)
+        return now_ns
+    return now_ns if settled and not waiting else previous_ns
 
 
 def gap_lines(gaps: Sequence[Gap], now_ns: int, connected_ns: int | None) -> list[str]:

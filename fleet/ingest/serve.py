@@ -36,14 +36,18 @@ Report = tuple[int, dict[str, Any]]  # worker index, its stats
 
 
 def _worker_process(
-    config: IngestConfig, index: int, parent: int, reports: multiprocessing.Queue[Report]
+    config: IngestConfig,
+    index: int,
+    parent: int,
+    reports: multiprocessing.Queue[Report],
+    horizon: Any,
 ) -> None:
     # A spawned process starts without the parent's logging setup.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    worker = IngestWorker(config)
+    worker = IngestWorker(config, horizon=lambda: int(horizon.value))
     try:
         try:
             worker.start()
@@ -70,14 +74,27 @@ class _Workers(Protocol):
     def poll(self) -> None: ...
     def stats(self) -> list[IngestStats]: ...
     def stop(self) -> list[IngestStats]: ...
+    def set_horizon(self, ns: int) -> None: ...
+
+
+def ingest_horizon(stats: list[IngestStats], draining: int) -> int:
+    """What every worker's gap audit may look up to: the lowest worker horizon, 0 (hold)
+    while one is not known or a session no worker reads is being drained."""
+    if draining or not stats:
+        return 0
+    return min(s.horizon_ns for s in stats)
 
 
 class _InProcess:
     """One worker in this process."""
 
     def __init__(self, config: IngestConfig) -> None:
-        self._worker = IngestWorker(config)
+        self._horizon = 0
+        self._worker = IngestWorker(config, horizon=lambda: self._horizon)
         self._worker.start()
+
+    def set_horizon(self, ns: int) -> None:
+        self._horizon = ns
 
     def poll(self) -> None:
         pass
@@ -99,6 +116,8 @@ class _Processes:
         self._ctx = multiprocessing.get_context("spawn")
         self._reports: multiprocessing.Queue[Report] = self._ctx.Queue()
         self._configs = configs
+        #: Shared with every worker process (see ingest_horizon); written here only.
+        self._horizon = self._ctx.Value("q", 0, lock=False)
         self._latest = [IngestStats() for _ in configs]
         self._earlier = [IngestStats() for _ in configs]  # counters of processes that died
         self._procs: list[multiprocessing.process.BaseProcess] = []
@@ -109,12 +128,15 @@ class _Processes:
     def _start(self, i: int) -> multiprocessing.process.BaseProcess:
         proc = self._ctx.Process(
             target=_worker_process,
-            args=(self._configs[i], i, os.getpid(), self._reports),
+            args=(self._configs[i], i, os.getpid(), self._reports, self._horizon),
             name=f"ingest-{i}",
         )
         proc.start()
         self._started[i] = time.monotonic()
         return proc
+
+    def set_horizon(self, ns: int) -> None:
+        self._horizon.value = ns
 
     def _take_reports(self, timeout: float = 0.0) -> bool:
         try:
@@ -252,6 +274,7 @@ def _run(
             pool.poll()
             keeper.tick()
             stats = pool.stats()
+            pool.set_horizon(ingest_horizon(stats, keeper.draining()))
             if on_stats is not None:
                 on_stats(_total(stats))
             if on_workers is not None:

@@ -85,6 +85,7 @@ def _store_server(url: str, migrate: bool, conn: Connection) -> None:
                         out.refused,
                         out.notes,
                         out.t_ns,
+                        out.stored,
                     )
                 elif method == "ping":
                     store.ping()
@@ -169,9 +170,16 @@ class StoreClient:
     def process(self, items: Sequence[Incoming], *, auto_register: bool) -> BatchOutcome:
         result = self._call("batch", (items, auto_register))
         assert isinstance(result, tuple)
-        inserted, duplicates, conflicts, states, refused, notes, t_ns = result
+        inserted, duplicates, conflicts, states, refused, notes, t_ns, stored = result
         return BatchOutcome(
-            int(inserted), int(duplicates), int(conflicts), int(states), refused, notes, t_ns
+            int(inserted),
+            int(duplicates),
+            int(conflicts),
+            int(states),
+            refused,
+            notes,
+            t_ns,
+            stored,
         )
 
     def quarantine(self, items: Sequence[Quarantined]) -> None:

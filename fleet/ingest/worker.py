@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
@@ -29,12 +29,13 @@ from fleet.ingest.config import (
     IngestStats,
     backoff_s,
 )
-from fleet.ingest.gapwatch import GapWatch, gap_lines
+from fleet.ingest.gapwatch import SETTLE_S, GapWatch, gap_lines, horizon_after
 from fleet.ingest.link import Link, describe_connect_error
 from fleet.ingest.storeproc import DirectStore, StoreClient, StoreOps
 from fleet.store import Quarantined, open_store
 from fleet.store.base import QUARANTINE_PAYLOAD_MAX
-from wire.topics import shared_subscription
+from wire.commands import stored_commands
+from wire.topics import PREFIX, shared_subscription
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,13 @@ class IngestWorker:
     redelivered to the group later.
     """
 
-    def __init__(self, config: IngestConfig) -> None:
+    def __init__(self, config: IngestConfig, *, horizon: Callable[[], int] | None = None) -> None:
         self.config = config
+        #: The ingest's horizon (fleet serve: the lowest of its workers'), bounding what the
+        #: gap audit looks at (see fleet.ingest.gapwatch); None: only the grace does.
+        self._horizon = horizon
+        #: When this worker last connected and last committed (monotonic): is it settled?
+        self._connected_at = self._committed_at = 0.0
         self.stats = IngestStats()
         self.client_id = config.client_id or f"fleet-ingest-{socket.gethostname()}"
         # A deque, not queue.Queue: append/popleft are atomic under the GIL and cost a
@@ -80,6 +86,7 @@ class IngestWorker:
         self._start_error: BaseException | None = None
         self._logged: set[str] = set()
         self._queue_max = config.queue_max
+        self._grace_ns = int(config.gap_grace_s * 1e9)
         self._gaps = (
             GapWatch.starting(
                 time.time_ns(), grace_s=config.gap_grace_s, check_s=config.gap_check_s
@@ -155,6 +162,7 @@ class IngestWorker:
         # the session without them, and never resends them.
         with self._ack_lock:
             self._epoch += 1
+        self._connected_at = time.monotonic()
         self.stats.connects += 1
         if self._gaps is not None:
             self._gaps.connected(time.time_ns())
@@ -406,6 +414,7 @@ class IngestWorker:
                     if self._stopping.is_set():
                         self._flush_acks()
                         return
+                    self._idle_horizon()
                     self._wake.wait(ACK_FALLBACK_S if self._acks else 0.1)
                     continue
             # Group commit: take what is waiting (up to batch_max); linger up to batch_ms
@@ -435,12 +444,23 @@ class IngestWorker:
                 self._commit_with_retry(store, batch)
             self._busy = False
 
+    def _idle_horizon(self) -> None:
+        """Nothing to store: once settled (connected, nothing for SETTLE_S), caught up."""
+        now = time.monotonic()
+        settled = (
+            self.stats.connected
+            and now - self._connected_at >= SETTLE_S
+            and now - self._committed_at >= SETTLE_S
+        )
+        if settled:
+            self.stats.horizon_ns = time.time_ns()
+
     def _audit_gaps(self, store: StoreOps, watch: GapWatch) -> None:
         """Every ``gap_check_s``: ask the store for new holes behind the messages received
         since the last audit (up to ``gap_grace_s`` ago), log and count each (see
         :mod:`fleet.ingest.gapwatch`)."""
         now = time.time_ns()
-        window = watch.due(now)
+        window = watch.due(now, None if self._horizon is None else self._horizon())
         if window is None:
             return
         try:
@@ -541,6 +561,15 @@ class IngestWorker:
         stats.batches += 1
         stats.last_commit_ns = now = time.time_ns()
         stats.observe_lags(out.t_ns, now)
+        if out.t_ns:
+            self._committed_at = time.monotonic()
+            stats.horizon_ns = horizon_after(
+                stats.horizon_ns,
+                now,
+                stored_t_ns=out.t_ns,
+                waiting=bool(self._inbox),
+                grace_ns=self._grace_ns,
+            )
         stats.queue_depth = len(self._inbox)
         stats.stored += out.inserted
         stats.duplicates += out.duplicates
@@ -553,6 +582,25 @@ class IngestWorker:
         for kind, text in out.notes:
             self._note(kind, text)
         self._ack(batch)
+        if self.config.confirm and out.stored:
+            self._confirm(out.stored)
+
+    def _confirm(self, stored: list[tuple[str, str, str, int]]) -> None:
+        """Tell each device the seqs of this commit (``cmd/stored``): its outbox lets them
+        go. QoS 0: a lost confirmation costs a duplicate (the device sends again), never
+        a message."""
+        by_boot: dict[tuple[str, str, str], list[int]] = {}
+        for site, device, boot_id, seq in stored:
+            by_boot.setdefault((site, device, boot_id), []).append(seq)
+        client = self._client
+        for (site, device, boot_id), seqs in by_boot.items():
+            where = f"{PREFIX}/{site}/{device}/cmd/stored"  # names checked by the ingest
+            for payload in stored_commands(boot_id, seqs):
+                info = client.publish(where, payload, qos=0)
+                if info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
+                    self.stats.confirms += 1
+                else:
+                    self.stats.confirm_errors += 1
 
     def _ack(self, batch: Iterable[Incoming]) -> None:
         """Hand committed messages to paho's thread to PUBACK (see _flush_acks)."""
