@@ -16,14 +16,7 @@ Handlers run on the agent's event loop and call the agent synchronously, so a pr
 between two windows and never races the live pipeline over the stages' state. The access
 log is off by default: a probe every second would otherwise flood the journal.
 
-The ``[api]`` section (every key, with its default)::
-
-    [api]
-    enabled = true
-    host = "127.0.0.1"      # loopback unless a firewall guards the port
-    port = 8080             # 0: any free port (tests); HealthApi.port says which
-    max_body_bytes = 65536  # a probe's body; larger is refused with 413
-    access_log = false      # one journal line per request
+The ``[api]`` section: every key with its default in ``examples/agent.toml``.
 
 aiohttp is imported when the server starts, not with this module: the config loader
 imports :class:`ApiSection`, and ``edge-agent check`` has no use for an HTTP server.

@@ -2,35 +2,13 @@
 
 Two monitors, each a sliding horizon over the windows the model scored, with hysteresis;
 each takes the window's facts and its time (``t_ns``, injected) and says when its state
-changes (a :class:`Notice`). No clock, no I/O: the reasoning stage feeds them and the agent
-logs, stores and publishes what they say.
-
-Out of distribution (:class:`OodMonitor`)
------------------------------------------
-Per window, :func:`models.input_stats.out_of_training` flags the signals whose level range,
-repeat share, longest repeat run or mean change lie outside what the model saw in training
-(``training.input_stats``, widened by :data:`models.input_stats.MARGINS`). A signal is
-*out of distribution* once it was flagged on at least :data:`OOD_ON_SHARE` of the windows
-of the last :data:`OOD_HORIZON_S` seconds (and that long has been watched), and back once
-that share is at most :data:`OOD_OFF_SHARE`. Why these numbers: the model was trained on
-anomalies of at most 10 s (``models.dataset``), so a trained fault is flagged on at most
-a third of a 30 s horizon and never reaches 60 %, while a frozen or off-scale sensor, or an
-acquisition the model never saw, is flagged on every window and reaches it after 18 s. On
-4 h of held-out normal running no signal is flagged on more than 0.3 % of windows
-(``scripts/ood_evidence.py``, table in ``models/README.md``), so the state never flips
-there. While any signal is out, the stage masks every model label (no model alarm is
-raised, those up clear through their hysteresis; rules and ``dropout`` still run) and marks
-each decision with the signals.
-
-Alarm storm (:class:`StormMonitor`)
------------------------------------
-Whatever the cause (inputs that look normal to these statistics but not to the model, a
-model that is simply wrong here, or a real fault that lasts), a model that alarms on at
-least :data:`STORM_ON_SHARE` of the windows of the last :data:`STORM_HORIZON_S` seconds is
-reported as an ``alarm_storm``, until the share falls to :data:`STORM_OFF_SHARE`. On
-normal running the model alarms on 0.1-0.4 % of windows; a trained anomaly (at most 10 s)
-fills at most 17 % of 60 s. A storm is reported, not suppressed: a real fault that lasts
-must stay visible.
+changes (a :class:`Notice`). The reasoning stage feeds them; the agent logs, stores and
+publishes what they say. :class:`OodMonitor`: a signal flagged outside its training
+statistics on :data:`OOD_ON_SHARE` of the last :data:`OOD_HORIZON_S` s is out until
+:data:`OOD_OFF_SHARE` (model labels masked meanwhile). :class:`StormMonitor`: a model that
+alarms on :data:`STORM_ON_SHARE` of the last :data:`STORM_HORIZON_S` s is a storm until
+:data:`STORM_OFF_SHARE` (reported, never suppressed). Why these numbers:
+``docs/ARCHITECTURE.md``, "Model health at run time".
 """
 
 from __future__ import annotations

@@ -2,31 +2,12 @@
 
 Pure code. It takes :class:`~drivers.Sample` values and ``now`` (UNIX ns) and returns
 :class:`Window` objects; no asyncio, no clock, no I/O, so tests give exact inputs and
-expect exact grids.
-
-How the grid works
-------------------
-Grid points sit at integer multiples of the period (``t_k = k * period_ns`` in UNIX ns), so
-two gateways at the same rate sample at the same instants. A window is ``window`` grid
-points; consecutive windows start ``hop`` points apart (``hop == window``: back to back).
-
-A window is emitted once ``now`` has passed its last grid point by ``lateness_ms``: that
-is how long we wait for a sample stamped before the grid point to arrive (samples are
-stamped at arrival, so only a slow hand-off between threads makes them late). A sample
-stamped at or before the last grid point already emitted can no longer change anything:
-it is counted in ``late_dropped`` and discarded, never slipped into a later window.
-
-Each grid point gets, per signal:
-
-* ``hold``   the newest sample at or before the point (sample-and-hold);
-* ``linear`` the straight line between the samples around the point; when the next sample
-  has not arrived by emission time, the held value is used (we never extrapolate).
-
-A signal that has never been seen is NaN. A cell is *fresh* when the signal's newest sample
-at or before the grid point is at most ``max_staleness_ms`` old. ``stale[i]`` says that
-signal ``i`` was not fresh at the window's last point; ``completeness`` is the fraction of
-fresh cells in the window. ``jitter_ms[i]`` is the standard deviation of signal ``i``'s
-inter-arrival intervals inside the window (0 with fewer than three samples).
+expect exact grids. Grid points sit at multiples of the period in UNIX ns (gateways at the
+same rate sample at the same instants); a window is emitted once ``now`` is ``lateness_ms``
+past its last point, each cell ``hold`` or ``linear`` (never extrapolated), with per-signal
+freshness, completeness and jitter; a sample older than the last emitted point is counted
+``late_dropped``, never slipped into a later window. The rules: ``docs/ARCHITECTURE.md``,
+"Perception rules".
 """
 
 from __future__ import annotations

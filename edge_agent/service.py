@@ -1,30 +1,13 @@
 """The running agent: sources -> perception -> memory -> reasoning, under a gate schedule.
 
 This is the I/O shell around the pure parts: it owns the clock, the tasks, the API and the
-logs. Every task runs in one ``TaskGroup`` and has a name; every queue is bounded.
-
-How a window travels
---------------------
-Drivers put samples into one bounded :class:`SampleBuffer` (drop oldest, counted). The
-gate scheduler (:mod:`edge_agent.gates`) opens each stage's gate at the times the
-``[schedule]`` gate control list gives; inside its gate a stage does its work and stops
-taking new work when the gate closes:
-
-* perception drains the buffer, advances the grid and puts due windows into the memory
-  queue (depth :data:`MEMORY_QUEUE_DEPTH`, drop oldest, counted);
-* memory stores each window and passes it on to the reasoning queue (depth 2, drop
-  oldest, counted); it stops while that queue is full, so a window waits in one bounded
-  place, never in an unbounded one;
-* reasoning decides about each window; the Decision goes to the log, to memory and (with
-  ``[uplink]``) to the MQTT outbox, all from :meth:`Agent._decide`.
-
-When the pipeline falls behind, the skip policy is the queues': the oldest window goes,
-and ``drops`` says how many. By default one gate entry opens all three stages, starting
-when windows close, so a window flows through the whole pipeline in one go.
-
-Shutdown (SIGTERM/SIGINT): stop the sources and the gates, run whatever is queued through
-every stage regardless of gates, flush memory and write its final checkpoint; a few
-hundred ms in practice, and the systemd unit allows 10 s.
+logs. Every task runs in one ``TaskGroup`` and has a name; every queue is bounded and drops
+its oldest window, counted, when the pipeline falls behind (memory waits while reasoning's
+queue is full, so a window waits in one bounded place). Each stage works inside its gate of
+the ``[schedule]`` gate control list (:mod:`edge_agent.gates`); the Decision goes to the
+log, memory and the uplink's outbox from :meth:`Agent._decide`. On SIGTERM/SIGINT the
+queued windows run through every stage regardless of gates and memory is flushed. How a
+window travels: ``docs/ARCHITECTURE.md``, "Data flow on the device".
 """
 
 from __future__ import annotations

@@ -1,38 +1,12 @@
 """A/B slots for agent builds: two unpacked wheels, a slot pointer and a boot counter.
 
-Layout under ``root`` (``/var/lib/edge-agent/slots`` on a device)::
-
-    a/, b/            an unpacked agent wheel each (``edge_agent/``, ``ota/``, ...,
-                      ``edgefleet-<ver>.dist-info/``); the launcher puts one first on sys.path
-    state.json        the pointer and the counter (below); the only source of truth
-    .lock             flock(2) held by every writer, so the updater and the launcher never
-                      interleave their read-modify-write of state.json
-    .staging-*        a wheel being unpacked (removed on failure, swept after a crash)
-    .trash-*          an old inactive build on its way out (swept after a crash)
-
-state.json::
-
-    {"format": 1, "active": "a" | "b" | null, "previous": "a" | "b" | null,
-     "boot_count": 0, "max_boots": 3,
-     "slots": {"a": {"status": "good", "version": "0.1.0", "sha256": "<hex>"}, "b": {...}},
-     "last_event": null | {"kind", "reason", "t", "failed_slot", "failed_version", "running"}}
-
-A slot's status is ``empty`` (nothing trusted in it), ``installed`` (unpacked, never run),
-``trying`` (active, on probation: every boot is counted), ``good`` (passed probation) or
-``bad`` (failed; kept on disk for the post-mortem until the next install). ``active: null``
-means the base install (the venv the launcher itself runs from). ``previous`` is the slot a
-rollback returns to; it is always ``good`` or null. Directory contents are trusted only as
-far as state.json says: a slot whose state is ``empty`` is never run, whatever it holds.
-
-Every write is durable (temp file beside it, fsync, ``os.replace``, fsync the directory), so
-a SIGKILL or power cut leaves either the old or the new state.json, never a torn one.
-
-A **missing** state.json is a fresh device (nothing installed: the base install runs). A
-**corrupt** one (not JSON, wrong schema, broken invariants) raises :class:`StateFileError`
-naming the file and the fault; the launcher then moves it aside to ``state.json.corrupt``
-(kept for the post-mortem), writes a fresh state whose ``last_event`` says why, and runs the
-base install: with no trustworthy pointer, the one build known to be on the device is the
-only safe choice.
+``state.json`` under ``root`` (``/var/lib/edge-agent/slots`` on a device) is the only
+source of truth: a slot is trusted only as far as it says (``empty`` is never run, whatever
+the directory holds). Every write is durable (temp file, fsync, ``os.replace``, fsync the
+directory) under ``.lock``, so a kill leaves the old or the new state, never a torn one. A
+missing state.json is a fresh device; a corrupt one raises :class:`StateFileError` and the
+launcher falls back to the base install. Layout, statuses and why:
+``docs/ARCHITECTURE.md``, "A/B slots".
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """Mosquitto 2.x configuration for the fleet: mutual TLS, the certificate CN as the username,
 an ACL that confines every device to its own topic root under the site its certificate
-names, queues sized for an outage of ``fleet serve`` (``fleet.broker_sizing``) and durable
-persistence.
-
-What Mosquitto 2.0.11 does with it (pinned by ``tests/test_fleet_pki.py`` and
-``tests/test_fleet_broker.py``):
-
-- A client without a certificate, with one from another CA, or with one on the CA's
-  revocation list (``crlfile``; reloaded with the certificates on SIGHUP), is refused during
-  TLS: with
-  TLS 1.3 the client's handshake completes and the broker then drops the connection ("peer
-  did not return a certificate" / "certificate verify failed"), so no CONNACK ever arrives.
-- ``use_identity_as_username`` makes the CN the username, whatever CONNECT says, so a
-  ``user {CN}`` block of the ACL gives each device exactly its own
-  ``edgefleet/v1/{site}/{CN}/...``, site and name written out: a ``pattern`` line can only
-  substitute the name (``%u``), and a ``+`` for the site let a device publish under any
-  site. A device the ACL does not name (revoked, or issued after the ACL was written) may
-  publish nothing.
-- A reload (SIGHUP) reads the ACL again and applies it to connections already open: a
-  device dropped from the ACL gets PUBACK 135 for its very next publish, on the same
-  connection (its certificate is checked against the CRL only at the next handshake).
-- A publish outside the ACL is dropped; at QoS 1 over MQTT 5 the broker answers PUBACK with
-  reason code 135 (Not authorized) and keeps the client connected. (An allowed publish that
-  nobody is subscribed to gets 16, No matching subscribers, not 0.)
-- A Last Will outside the ACL is accepted at CONNECT (CONNACK 0) and dropped when it fires.
-- Subscriptions are NOT checked against ``acl_file`` (its check returns success for
-  SUBSCRIBE, "FIXME - implement ACL subscription strings", in 2.0 and in 2.1's acl-file
-  plugin): every SUBACK grants. Instead each message, retained ones included, is checked
-  against the receiver's ``read`` rules on delivery, so a device subscribed to another
-  device's ``cmd/#``, or to ``#``, receives nothing that is not its own. The same holds for
-  ``$share/{group}/...``: the real topic is checked on delivery, so the fleet needs no
-  ``$share`` rule.
+names (a ``user`` block per device, site and name written out: no ``pattern``, no ``+``),
+queues sized for an outage of ``fleet serve`` (``fleet.broker_sizing``) and durable
+persistence. What Mosquitto 2.0.11 does with it (TLS refusals, ACL reloads on open
+connections, unchecked subscriptions): ``docs/ARCHITECTURE.md``, "What the broker does with
+its config".
 """
 
 from __future__ import annotations

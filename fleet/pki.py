@@ -1,34 +1,12 @@
 """The fleet's private CA: one EC P-256 CA that issues device, service and broker certificates.
 
-The broker (Mosquitto, ``use_identity_as_username``) takes a client certificate's Common Name
-as the MQTT username, and the ACL (``fleet.broker_config``) confines each username to its own
-topic root, so the CN *is* the device's identity. That is why a CN must pass the same name rule
-as the topic layout (``wire.topics``): a CN with ``/``, ``+`` or ``#`` could escape its root.
-
-Layout of a CA folder::
-
-    ca.crt  ca.key (0600)        the CA
-    crl.pem                      its certificate revocation list (``revoke``), signed by it
-    certs/{name}.crt             the current certificate of each name, for ``list_issued``
-    certs/by-serial/             every certificate ever signed ({name}.{serial}.crt), kept
-                                 before its holder gets it, so ``revoke`` finds them all
-    certs/revoked/{serial}       one file per revoked serial (its revocation time): the
-                                 journal ``crl.pem`` is signed from, so a lost list is
-                                 rebuilt, never silently emptied
-
-``issue`` writes ``{name}.crt``, ``{name}.key`` (0600) and ``ca.crt`` into the chosen output
-folder, which is what a device or the broker needs. A device certificate also names the
-device's site (a subjectAltName URI ``urn:edgefleet:site:{site}``): the site is fixed when
-the certificate is issued, and ``fleet broker-config`` grants the device exactly
-``edgefleet/v1/{site}/{name}/...`` from it. Every file is written durably (temp file,
-fsync, rename, fsync of the folder): a power cut leaves the old file or the new one.
-
-Revocation is pushed, not fetched: ``revoke`` adds every certificate of a name to
-``crl.pem``; ``fleet.broker_config`` copies it next to the broker's config (``crlfile``) and
-drops the name from the broker's ACL, and a reload of the broker (SIGHUP) refuses those
-certificates at the next TLS handshake and every publish of a connection already open. The
-CRL's next update is the CA's own expiry: OpenSSL refuses every client once a CRL it checks
-has expired, and nothing here fetches a fresh one on a schedule.
+A certificate's Common Name is the MQTT username (the broker's ``use_identity_as_username``)
+and so the device's identity: it must pass the topic layout's name rule (``wire.topics``). A
+device certificate also names its site (a subjectAltName URI ``urn:edgefleet:site:{site}``).
+Every file is written durably; ``revoke`` journals each revoked serial and re-signs
+``crl.pem`` from the journal, which ``fleet broker-config`` pushes to the broker. The CA
+folder's layout and how revocation reaches live connections: ``docs/ARCHITECTURE.md``, "The
+fleet's CA".
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
 """Train the motor-drive anomaly classifier, quantize it to INT8 and write ``models/motor_drive``.
 
-Run in the training venv (TensorFlow is an optional extra, never needed on a device)::
-
-    make model                        # = .venv-train/bin/python -m models.train
-    .venv-train/bin/python -m models.train --cache /tmp/edgefleet-train   # reuse the data sets
-
-Steps: generate labelled windows from the plant simulator (:mod:`models.dataset`, fixed
-seeds; training, validation and test sets from disjoint plant seeds); normalisation and
-feature constants from the normal training windows; train a small 1-D CNN (tf.keras, fixed
-seeds); full-integer INT8 conversion with a representative data set; then, through
-:mod:`models.runtime` on the written ``.tflite`` (never the float Keras model): alarm
-thresholds chosen on validation data, test-set metrics, false alarms per hour over long
-continuous normal runs and invoke latency. Everything goes into ``manifest.json``; the test
-suite's reference outputs (``tests/data/model_reference.npz``) are rewritten too.
-
-``--variant slow`` trains :data:`VARIANTS` ``["slow"]`` instead: the same data, features,
-labels, quantization and manifest, a much wider and deeper conv stack, written to
-``models/motor_drive_slow`` (an OTA test model that is correct but too slow); it never
-touches the default model's reference outputs or the model card's metrics::
-
-    .venv-train/bin/python -m models.train --variant slow --cache /tmp/edgefleet-train
-
-``--acquisition-from AGENT_TOML`` makes every data set through the acquisition that agent
-config's sources deliver (:func:`acquisition_from`) instead of the example config's field
-buses, records it as ``training.acquisition`` and writes ``models/motor_drive_<config name>``
-(the shipped model's reference outputs and card stay as they are)::
-
-    make model ARGS="--acquisition-from /etc/edge-agent/agent.toml --cache /tmp/edgefleet-train"
-
-TensorFlow is imported only inside functions of this module.
+Run in the training venv (``make model``; TensorFlow is an optional extra, imported only
+inside functions here, never needed on a device). Steps: labelled windows from the plant
+simulator (:mod:`models.dataset`, disjoint seeds per set), normalisation constants, a small
+seeded 1-D CNN, full-integer INT8 conversion, then, through :mod:`models.runtime` on the
+written ``.tflite``: thresholds, test metrics, false alarms per hour, latency, known
+answers; all into ``manifest.json``. ``--variant slow`` writes the slow OTA test model;
+``--acquisition-from AGENT_TOML`` trains for that config's acquisition. Commands, times
+and what each writes: ``models/README.md``, "Retraining".
 """
 
 from __future__ import annotations

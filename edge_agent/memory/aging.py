@@ -1,34 +1,13 @@
 """Aging: TTL and a size cap, done incrementally in steps of one short transaction each.
 
 Runs in the writer thread between commits (:class:`edge_agent.memory.store.StoreWriter`),
-never on the event loop. Every step is one ``BEGIN IMMEDIATE ... COMMIT`` that deletes a
-bounded *row-id range* (``DELETE ... WHERE id < ?``: the tables are append-only, so the
-oldest rows are the lowest ids). The range length adapts to the measured step time: halved
-when a step overran ``aging_step_ms``, doubled when it took under a third of it. So a commit
-of fresh data waits at most one step, and steps are spaced so aging uses at most about a
-quarter of the writer thread's time while it catches up on a backlog.
-
-TTL (``ttl_h``)
-    Data older than ``now - ttl`` goes, cut at the newest keyframe at or before that time,
-    so the state stays exactly reconstructible from the cut on. Decisions and events older
-    than the cutoff go too. ``now`` is the newest ``now_ns`` the pipeline handed in.
-
-Size cap (``max_bytes``), least recently used *cold* data first
-    The unit of eviction is an **aging chunk**: all rows, keyframes, decisions and events of
-    one ``aging_chunk_s`` slot of time (UNIX-aligned). A chunk is *cold* when it is not the
-    newest one (the one being written). Its last use is the later of its end (when data was
-    last written into it) and its last read (``chunk_access``, recorded by
-    :meth:`MemoryStore.history` / ``state_at`` readers that report reads). When the pages in
-    use exceed ``max_bytes``, the least recently used cold chunk is evicted, then the next,
-    until usage is below 90 % of the cap. An eviction first records an ``evicted`` gap and
-    drops the chunk's keyframes (one transaction, so a crash mid-way never leaves a chunk
-    that reconstructs wrongly), then deletes its rows in steps. If only the newest chunk is
-    left the cap cannot be met: counted in ``cap_unreachable`` and logged once.
-
-Space goes back to the file system with ``PRAGMA incremental_vacuum(n)`` steps while the
-file is larger than the cap (``auto_vacuum=INCREMENTAL`` is set when the file is created);
-below the cap, freed pages are simply reused. The WAL is bounded separately by
-``journal_size_limit_bytes``.
+never on the event loop. Each step deletes a bounded row-id range (the tables are
+append-only: the oldest rows have the lowest ids), its length halved when a step overran
+``aging_step_ms`` and doubled when it took under a third of it. TTL cuts at the newest
+keyframe at or before ``now - ttl``; the size cap evicts the least recently used cold
+aging chunk first, recording an ``evicted`` gap before any row goes; ``incremental_vacuum``
+steps give space back while the file is over the cap. The rules: ``docs/MEMORY.md``,
+"Aging".
 """
 
 from __future__ import annotations

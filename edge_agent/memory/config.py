@@ -3,30 +3,8 @@
 Same rules as :mod:`edge_agent.config`: strict types, unknown keys rejected, frozen. Relative
 paths (``path``, ``snapshot_dir``) are relative to ``agent.state_dir``; see
 :meth:`MemorySection.resolve`. Sizes are bytes, times carry their unit in the key name.
-
-Example (every key, with its default)::
-
-    [memory]
-    enabled = true
-    path = "memory.db"                 # relative to agent.state_dir
-    ring_windows = 64                  # windows (and decisions) kept in RAM for reasoning
-    default_deadband = 0.0             # store a value when it moves MORE than this
-    deadband = { current = 0.05 }      # per-signal deadbands (signal units)
-    keyframe_interval_s = 60.0         # full state this often: reconstruction starts here
-    batch_max_rows = 200000            # rows waiting for the writer; beyond: dropped, counted
-    commit_interval_ms = 1000          # the writer commits this often (kill -9 loses <= 1 batch)
-    checkpoint_interval_s = 300.0      # PRAGMA wal_checkpoint(PASSIVE) this often
-    journal_size_limit_bytes = 16777216
-    ttl_h = 72.0                       # data older than this is deleted
-    max_bytes = 268435456              # database file cap; least recently used chunks go first
-    aging_interval_s = 10.0            # how often aging looks for work
-    aging_step_ms = 1.0                # budget of one aging step (one short transaction)
-    aging_chunk_s = 3600.0             # eviction unit for the size cap
-    snapshot_interval_s = 900.0        # 0: no periodic snapshots
-    snapshot_dir = "memory-snapshots"  # relative to agent.state_dir
-    snapshot_keep = 4
-    baseline_half_life_s = 3600.0      # semantic memory: slow mean/variance
-    drift_half_life_s = 60.0           # the fast mean drift is measured with
+Every key, with its default and what it does: ``examples/agent.toml`` (the commented
+``[memory]`` section; what the stage does with them: ``docs/MEMORY.md``).
 """
 
 from __future__ import annotations

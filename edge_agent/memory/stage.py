@@ -1,29 +1,12 @@
 """The memory stage of the pipeline: perception's window in, context for reasoning out.
 
-Per window, on the event loop, :meth:`MemoryStage.process`:
-
-1. pushes the window into working memory (RAM ring) and folds it into the baselines
-   (semantic memory);
-2. delta-encodes it into state-change rows (a keyframe every ``keyframe_interval_s`` and at
-   every aging-chunk boundary) and appends them, with the decision, stale/fresh events and
-   gap records, to the writer's bounded pending list;
-3. returns a :class:`MemoryContext` (recent windows and decisions, baseline mean/std, drift)
-   and its own latency, which the service reports as ``stage_latency_ms["memory"]``.
-
-It does no I/O and never waits: SQLite runs in the writer thread
-(:class:`~edge_agent.memory.store.StoreWriter`); snapshots, restore, reads and opening the
-store run in worker threads (``asyncio.to_thread``).
-
-Bad input is handled and counted (``stats()``): NaN/inf cells are stored as "unknown"
-(``non_finite``); window columns that are not configured signals are ignored
-(``unknown_signal``, names kept), configured signals missing from a window are unknown
-(``missing_signal``); grid points at or before the last stored one -- the clock went
-backwards -- are not stored (``clock_backwards`` points, one ``clock_backwards`` event per
-episode) but still reach working memory and baselines. Points repeated by overlapping
-windows (perception ``hop < window``, each window starting later) are skipped silently.
-When the pending list is full the window's rows are dropped (``dropped_windows``), the
-encoder forgets its state so the next window is a keyframe, and a ``dropped`` gap covers
-the hole.
+Per window, on the event loop, :meth:`MemoryStage.process` pushes the window into working
+memory and the baselines, delta-encodes it into the writer's bounded pending list, and
+returns a :class:`MemoryContext` with its own latency. It does no I/O and never waits:
+SQLite runs in the writer thread (:class:`~edge_agent.memory.store.StoreWriter`);
+snapshots, restore, reads and opening the store run in worker threads. Bad input is
+counted in :meth:`MemoryStage.stats`, never raised. The whole stage, its storage and its
+counters: ``docs/MEMORY.md``.
 
 Typical wiring (the service owns the TaskGroup)::
 
@@ -32,7 +15,6 @@ Typical wiring (the service owns the TaskGroup)::
     async with stage:                                  # open/recover off the loop, start writer
         tg.create_task(stage.run(), name="memory")     # periodic snapshots, writer watchdog
         ctx = stage.process(window, now_ns=clock_ns()) # on the loop, per window
-        latency["memory"] = ctx.latency_ms
 """
 
 from __future__ import annotations

@@ -1,36 +1,13 @@
 """Episodic store: the SQLite schema and its migrations, reads, and the writer thread.
 
-Layout (schema version 1, ``PRAGMA user_version``)
---------------------------------------------------
-``changes(id, t_ns, signal, value)``
-    the delta-encoded state changes (:mod:`edge_agent.memory.delta`), one row per change,
-    **appended** in time order: ``id`` ascends with ``t_ns``, so a time range is a row-id
-    range and every commit writes only the right-most leaf pages of one B-tree. (A
-    ``(signal, t_ns)`` key would touch one leaf per signal per commit: measured 3-10x more
-    bytes written per row at the commit sizes we use.) ``value`` NULL: state unknown.
-``keyframes(t_ns, change_id)``
-    a keyframe's rows (the full state) start at ``change_id``. The state at ``t`` is the
-    newest keyframe at or before ``t`` plus the rows after it up to ``t``: reads never scan
-    more than one keyframe interval, and aging can cut anywhere before a keyframe.
-``gaps(start_ns, end_ns, reason)``
-    where the state is unknown although rows exist around it: ``offline`` (agent stopped),
-    ``dropped`` (the write batch was full), ``evicted`` (size cap), ``restored``.
-``decisions``, ``events``
-    JSON decisions and events (stale/fresh transitions, clock steps, recovery, restore), in
-    time order.
-``baselines``
-    semantic memory, one row per signal (:mod:`edge_agent.memory.baselines`).
-``chunk_access``
-    when each aging chunk was last read: the "recently used" of the size cap's LRU.
-
-Durability: WAL with ``synchronous=NORMAL``. A commit survives a crash of the process
-(kill -9); after a power loss the last commits before the latest checkpoint may roll back,
-but the file is never corrupt. ``journal_size_limit`` bounds the WAL left after a checkpoint.
-
-Threads: :class:`StoreWriter` owns the only writing connection, in its own thread. The
-event loop only appends to its bounded pending list (a short ``threading.Lock``); SQLite
-commits, checkpoints and aging steps all happen in that thread, never on the loop.
-Readers (CLI, reasoning) use their own connections; WAL lets them read while it writes.
+``changes`` holds the delta-encoded state changes appended in time order (row id ascends
+with ``t_ns``, so a commit writes only the right-most leaf pages), ``keyframes`` where the
+full state restarts, ``gaps`` where it is unknown; ``decisions``, ``events``, ``baselines``
+and ``chunk_access`` beside them. WAL with ``synchronous=NORMAL``: a commit survives kill -9.
+:class:`StoreWriter` owns the only writing connection, in its own thread; the event loop
+only appends to its bounded pending list. Readers use their own connections. Layout,
+durability and why: ``docs/MEMORY.md``, "Storage layout" and "Writer, batching,
+durability".
 """
 
 from __future__ import annotations

@@ -3,44 +3,8 @@
 Same rules as :mod:`edge_agent.config`: strict types, unknown keys rejected, frozen. Relative
 paths (``outbox.path``) are relative to ``agent.state_dir``. Sizes are bytes, times carry
 their unit in the key name. The MQTT password is never in this file: ``password_file`` names
-a file that holds it (mode 0600, one line), so the config can be logged and shared.
-
-Example (every key, with its default)::
-
-    [uplink]
-    enabled = false
-    host = "127.0.0.1"
-    port = 1883
-    client_id = "press-7"              # default: the device name
-    keepalive_s = 30
-    username = "press-7"               # optional
-    password_file = "/etc/edge-agent/mqtt.pass"   # optional, needs username
-    telemetry_period_ms = 1000
-    replay_rate_per_s = 200            # token bucket: messages per second to the broker
-    max_inflight = 32                  # QoS 1 messages waiting for their PUBACK
-    reconnect_min_ms = 500             # jittered exponential backoff between attempts
-    reconnect_max_ms = 30000
-    delivery = "auto"                  # when a row leaves the outbox: "stored" (the fleet's
-                                       # cmd/stored names it), "broker" (its PUBACK), "auto"
-                                       # ("stored" once a fleet has confirmed anything)
-    confirm_timeout_s = 60             # a row the fleet has not confirmed this long after
-                                       # one acked later was, is sent again
-
-    [uplink.tls]                       # optional; mutual TLS when cert_file and key_file
-    ca_file = "/etc/edge-agent/ca.pem" # server CA (omit: the system's CAs)
-    cert_file = "/etc/edge-agent/device.pem"
-    key_file = "/etc/edge-agent/device.key"
-
-    [uplink.delta]
-    enabled = true
-    default_deadband = 0.0
-    deadband = { current = 0.05 }
-    keyframe_every = 10                # every N-th telemetry message carries every signal
-
-    [uplink.outbox]
-    path = "outbox.db"                 # relative to agent.state_dir
-    max_bytes = 67108864               # beyond: telemetry dropped, oldest first
-    decision_reserve_bytes = 16777216  # decisions/ota status kept up to max_bytes + this
+a file that holds it (mode 0600, one line), so the config can be logged and shared. Every
+key, with its default and what it does: ``examples/agent.toml``, section ``[uplink]``.
 """
 
 from __future__ import annotations

@@ -1,38 +1,13 @@
 """Telemetry for the uplink: per-period statistics of the grid, sent as deltas.
 
 Pure code: windows and aggregates in, aggregates and messages out; no clock, no I/O.
-
-Aggregation
------------
-:class:`TelemetryAggregator` folds perception's grid rows into fixed periods aligned to
-multiples of ``period_ns`` in UNIX time (so every device's periods line up), per signal
-``mean``, ``min``, ``max``, ``last`` and ``n`` (the number of finite cells; a NaN cell, a
-signal never seen, is skipped). Windows may overlap (perception hop < window): each grid
-row is counted once, by its timestamp. A period ``[t - period_ns, t)`` closes when a row at
-or past ``t`` arrives and comes out as an :class:`Aggregate` stamped ``t`` (with no signal
-in it if every cell was NaN); a period without rows (perception stalled) produces nothing.
-Cells held by sample-and-hold count like fresh ones: staleness is judged by perception and
-the decision path, telemetry reports the grid.
-
-Values are float32 (the grid's precision) written as the shortest decimal that reads back as
-the same float32, so ``400.12`` travels as ``400.12``, not ``400.1199951171875``.
-
-Delta upload
-------------
-:class:`DeltaEncoder` decides what each :class:`~wire.messages.TelemetryMsg` carries. A
-keyframe (the first aggregate, every ``keyframe_every``-th one after it, the first after
-:meth:`DeltaEncoder.reset` or after a change of period) carries every signal that has data
-and replaces the receiver's state. Otherwise a signal is sent only when its ``mean``,
-``min`` or ``max`` differs by MORE than its deadband from the values last *sent* for it (so
-a slow drift is sent once it has added up), when its ``n`` changed, or when it appeared; a
-signal that had data and now has none is sent once as ``n == 0`` (all numbers 0). Hence the
-receiver's ``mean``/``min``/``max`` are within the deadband of the device's, ``n`` is exact,
-and ``last`` is as of the last message that carried the signal.
-
-An aggregate with nothing to send gives an empty delta: the publisher may skip it without
-taking a seq (nothing is lost, the fleet's seq gap check stays exact). Keyframes are counted
-in aggregates, not in messages sent, so a quiet device still sends one every
-``keyframe_every`` periods. :class:`Reconstructor` is the receiving side.
+:class:`TelemetryAggregator` folds perception's grid rows (each once, by its timestamp) into
+periods aligned to multiples of ``period_ns`` in UNIX time: per signal ``mean``, ``min``,
+``max``, ``last``, ``n``. :class:`DeltaEncoder` sends a keyframe every ``keyframe_every``
+aggregates and otherwise only the signals that moved past their deadband since last *sent*;
+:class:`Reconstructor` is the receiving side. The exact rules (what closes a period, NaN
+cells, float32 text, when a signal is sent): ``docs/ARCHITECTURE.md``, "Telemetry
+aggregation and deltas".
 """
 
 from __future__ import annotations

@@ -1,38 +1,14 @@
 """When the ingest audits the store for gaps, and how it says what it found. Pure: data and
 ``now`` in, decisions and lines out; the worker's writer thread does the I/O.
 
-A broker drops messages for the ingest when its queue for the ingest's session is full
-(Mosquitto's ``max_queued_messages``: ``fleet serve`` down for too long, or connected but
-unable to store), and acknowledges them to the device all the same, so they are gone for
-good and nothing else says so. What the fleet sees is a hole: seqs missing below a
-message that did arrive. Every ``check_s`` the worker asks the store for holes behind the
-messages received since its last audit (:meth:`fleet.store.Store.record_new_gaps`,
-two index lookups per message, in the database), and logs each new one at WARNING with
-device, boot and seq range, and counts it (``gaps``, ``gap_seqs``).
-
-A hole is only called a gap once it is ``grace_s`` old (default 30 s): the audit covers
-messages received up to ``now - grace_s``. Until then the missing seqs may still be on
-their way: two workers of a shared group store one device's messages out of order, a
-batch may be in a backoff retry, the agent resends a message nobody was subscribed to
-after 1 s. After this worker failed to write (a store outage: other workers' retries of
-older messages may still be pending) audits wait ``grace_s`` after the failure. A hole
-filled later still than that (messages parked in the session of a worker that is down
-until it comes back) is reported anyway; ``fleet gaps`` always reads the store as it is.
-
-Under ``fleet serve`` the audit also waits for the ingest to have caught up: each worker
-reports a horizon (:func:`horizon_after`: now while it stores fresh messages or has none
-waiting, else the time of the backlog it is storing; frozen while it is not connected),
-``fleet serve`` hands every worker the lowest (0 while a session is being drained), and
-only messages received before it are audited (:meth:`GapWatch.due`). A restarted worker's
-session delivering minutes-old messages then holds the audit instead of making its share
-look missing. A horizon held longer than ``HOLD_MAX_S`` (a worker gone for good, a device
-clock far behind) is passed over, and what is missing then is reported.
-
-The first audit of a worker starts ``grace_s + check_s`` before it started, so a hole
-behind the first messages after a restart, the case of a broker that dropped messages
-while ``fleet serve`` was down, is found; holes behind messages received just before a
-crash, which the crashed process could not audit any more, can be missed here (``fleet
-gaps`` still lists them).
+A broker that drops messages for the ingest (its queue for the ingest's session full) has
+acknowledged them to the device all the same; what the fleet sees is a hole below a message
+that did arrive. Every ``check_s`` a worker asks the store for holes behind the messages
+received since its last audit, logs each new one at WARNING and counts it. A hole is a gap
+only once it is ``grace_s`` old (messages of two workers arrive out of order, batches
+retry), and, under ``fleet serve``, once every worker has caught up (:func:`horizon_after`,
+passed over after ``HOLD_MAX_S``). Why, and what each wait covers: ``docs/ARCHITECTURE.md``,
+"Uplink and fleet ingest", *Gaps while running*.
 """
 
 from __future__ import annotations

@@ -1,43 +1,12 @@
 """Versioned schema migrations, one list for both backends.
 
-Append only: a released migration is never edited, a change is a new entry with a higher
-version. Each migration runs in its own transaction together with the ``schema_version`` row
-that records it, so a crash leaves the database at a version boundary. Versions are
-reserved ahead for work done in parallel, so a branch may hold 1, 2 and 5 while 3 and 4 land
-from another: what is pending is every version not recorded in ``schema_version`` (not
-"above the highest"), applied in order, and no migration may depend on one with a higher
-number. The SQLite text is
-split on ``;`` and run statement by statement (``executescript`` would commit on its own), so
-no statement may hold a ``;`` inside a literal.
-
-Tables:
-
-- ``devices``: the registry; online/offline and versions from the newest boot's state
-  messages (``state_t_ns`` orders boots), ``last_seen_ns``, the latest decision's stage
-  latencies (``latency_json``, from the decision at ``latency_t_ns``).
-- ``boots``: one row per ``(device, boot_id)``; ``watermark`` is the highest state ``seq``
-  (the last data seq the device had assigned) — the tail end for gap detection.
-- ``messages``: every data message once, keyed on ``(device, boot_id, seq)``; ``label`` is
-  copied out of decisions so they can be filtered without parsing bodies.
-- ``quarantine``: refused messages (payload cut to 4 KiB by the caller).
-- (v2) ``devices.group_name`` / ``devices.tier``: rollout labels (``canary``, ``normal``,
-  ``critical``); ``rollouts``: one JSON document per rollout (its whole state, written by the
-  orchestrator at every change); ``rollout_requests``: pause/resume/abort asked by the CLI,
-  taken by the orchestrator; an index to read ``ota/status`` messages by arrival.
-- (v3) ``ingest_sessions``: the MQTT sessions ``fleet serve`` opened at the broker, by client
-  id, with the prefix and node that own them, group, worker index, broker, state (active,
-  stopped, draining, orphaned, ended) and the messages a drain stored from each.
-- (v5) ``ingest_gaps``: seq ranges the ingest found missing while it ran (a hole behind a
-  message that arrived, still open after a grace period; see :mod:`fleet.ingest.gapwatch`),
-  one row per ``(device, boot_id, first_missing)``, so several workers auditing the same
-  rows report each hole once. ``fleet gaps`` still reads the messages themselves.
-- (v7) ``users`` (scrypt password hashes), ``api_tokens`` (sha256 of the secret; the token id
-  is its public half), ``console_sessions`` (sha256 of the cookie) and ``audit`` (every
-  change: who, via what, from where, what, on what, the result); see :mod:`fleet.access`.
-- (v8) ``signal_minutes``: each signal's telemetry statistics per device and minute
-  (``minute`` = t_ns // 60 s: min, max, sums for the weighted mean), added to in the ingest's
-  transaction by exactly the messages it inserted (a redelivery adds nothing), for charts
-  over hours and days; shorter ranges are read from the messages themselves.
+Append only: a released migration is never edited; a change is a new entry. Each runs in
+its own transaction with the ``schema_version`` row that records it, so a crash leaves the
+database at a version boundary. Versions may be reserved ahead for parallel work, so what is
+pending is every version not recorded (not "above the highest"), applied in order, and no
+migration may depend on a higher one. SQLite text is split on ``;`` and run statement by
+statement (``executescript`` would commit on its own): no ``;`` inside a literal. The
+tables: ``docs/ARCHITECTURE.md``, "The fleet store's tables".
 """
 
 from __future__ import annotations
