@@ -140,6 +140,8 @@ class AgentOta:
         self._latencies: deque[float] = deque(maxlen=OBSERVED)
         self._runs = 0
         self._windows = 0
+        self._degraded = 0
+        self._was_degraded = False
         self._errors0 = 0
         #: Models replaced by a swap, by :func:`_model_dir_name` of both payloads (or
         #: ``"factory"``): a rollback swaps back without reloading. The tflite sha alone
@@ -436,7 +438,9 @@ class AgentOta:
 
     def begin_observing(self) -> None:
         self._latencies.clear()
-        self._runs = self._windows = 0
+        self._runs = self._windows = self._degraded = 0
+        # A breaker already degraded before the update is not the new version's doing.
+        self._was_degraded = self._breaker_degraded()
         self._errors0 = self.agent.stage_errors.get("reasoning", 0)
         if not self._target_sha:
             self._target_sha = self.agent.model_sha256()
@@ -446,9 +450,15 @@ class AgentOta:
         if not self._observing:
             return
         self._windows += 1
+        if d.degraded and not d.model_ran and not self._was_degraded:
+            self._degraded += 1
         if d.model_ran and d.model_sha256 == self._target_sha:
             self._runs += 1
             self._latencies.append(d.stage_latency_ms.get("reasoning", 0.0) * 1000.0)
+
+    def _breaker_degraded(self) -> bool:
+        stage = self.agent.stage
+        return stage is not None and stage.breaker.mode != "full"
 
     def observe(self) -> Observation:
         errors = self.agent.stage_errors.get("reasoning", 0) - self._errors0
@@ -462,6 +472,7 @@ class AgentOta:
             health_ok=0,
             health_failed=0,
             last_error="reasoning stage raised" if errors else "",
+            degraded=self._degraded,
         )
 
     async def health(self) -> bool:

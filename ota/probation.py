@@ -65,6 +65,9 @@ class Observation:
     #: consecutive failed health checks up to now (0: the last one answered)
     health_streak: int = 0
     last_error: str = ""
+    #: windows the reasoning stage's breaker kept the new version out of (over its
+    #: latency budget), when the old version was not degraded before the update
+    degraded: int = 0
 
 
 Verdict = Literal["pending", "pass", "fail"]
@@ -119,6 +122,13 @@ def judge(
         )
     if obs.health_streak >= HEALTH_STREAK:
         return "fail", f"health API silent during probation ({obs.health_streak} checks in a row)"
+    if obs.degraded:
+        # Over the stage's budget so often that the breaker ran it on fewer windows: a
+        # regression, however few windows it then scored (the median rule needs 20).
+        return "fail", (
+            f"latency regression: the reasoning stage went over its budget and its breaker "
+            f"kept the new version out of {obs.degraded} window(s)"
+        )
     if now_ns - started_ns < limits.seconds * 1_000_000_000:
         return "pending", ""
     if not enough:

@@ -6,6 +6,7 @@ side is in ``test_fleet_bundle.py``."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -17,7 +18,14 @@ from edge_agent.fleetsim import SimAgent, sim_config
 from ota import build
 from ota.errors import ProbationUnreachable
 from ota.manifest import Probation
-from ota.probation import REGRESSION_MIN_WINDOWS, min_seconds, unreachable
+from ota.probation import (
+    REGRESSION_MIN_WINDOWS,
+    Baseline,
+    Observation,
+    judge,
+    min_seconds,
+    unreachable,
+)
 from ota.store import ContentStore
 from ota.trust import load_root
 from ota.verify import Policy, verify_bundle
@@ -123,3 +131,22 @@ def test_a_simulated_agent_offers_its_own_window_rate(tmp_path: Path) -> None:
     agent = SimAgent(cfg, window_hz=10.0)
     assert agent.ota is not None
     assert agent.ota.updater.policy.windows_per_s == 10.0
+
+
+def test_a_new_version_the_breaker_had_to_degrade_fails_as_a_latency_regression() -> None:
+    """The demo's slow v3 on a slower host: each window over the reasoning budget, the
+    breaker runs it on every k-th window only, so it scores fewer than the 20 windows the
+    median rule needs. Before, that passed ("too few windows to judge"); the breaker having
+    to step in is the regression."""
+    limits = Probation(seconds=20, min_windows=10)
+    base = Baseline(p50_us=400.0, rss_bytes=100 << 20)
+    seen = Observation(
+        windows=31, model_runs=12, errors=0, p50_us=2600.0, p99_us=3100.0,
+        rss_bytes=100 << 20, health_ok=3, health_failed=0,
+    )  # fmt: skip
+    verdict, why = judge(replace(seen, degraded=19), base, limits, started_ns=0, now_ns=21 * 10**9)
+    assert verdict == "fail"
+    assert "breaker kept the new version out of 19 window(s)" in why
+    # The same numbers without the breaker stepping in: too few to judge, a pass.
+    verdict, why = judge(seen, base, limits, started_ns=0, now_ns=21 * 10**9)
+    assert (verdict, "too few windows" in why) == ("pass", True)
