@@ -5,10 +5,10 @@ Pure (times are given). A broker acknowledges a message once it holds it in memo
 writes its state to disk only every ``autosave_interval``, so a broker killed in between
 loses what it acknowledged since. With ``delivery = "stored"`` (or ``"auto"`` once a fleet
 has confirmed anything) a row stays in the outbox after its PUBACK until the fleet's
-``cmd/stored`` names it; a reconnect sends every such row again, and so does a row still
-unconfirmed ``confirm_timeout_s`` after the fleet confirmed one the broker acknowledged
-later (the fleet is storing, but not this one). Duplicates are the fleet's to drop; a fleet
-that is down confirms nothing, and nothing is resent until it is back.
+``cmd/stored`` names it, and is sent again once it is still unconfirmed
+``confirm_timeout_s`` after the fleet confirmed one the broker acknowledged later (the
+fleet is storing, but not this one: the broker lost it). Duplicates are the fleet's to
+drop; a fleet that is down (or behind) confirms nothing newer, and nothing is resent.
 """
 
 from __future__ import annotations

@@ -510,6 +510,21 @@ class Outbox:
             return []
         return [_row(r) for r in rows]
 
+    def resume_after(self) -> int:
+        """Where sending starts on a new connection when acked rows are kept: just before
+        the oldest row the broker never acknowledged (or past every row), so rows waiting
+        for the fleet's confirmation are not all sent again at every reconnect (they are
+        sent again by :meth:`stale` when the fleet shows it lost them). 0 on an I/O error."""
+        try:
+            row = self._conn.execute(
+                "SELECT COALESCE(MIN(CASE WHEN acked_ns IS NULL THEN id END) - 1, MAX(id), 0)"
+                " FROM outbox"
+            ).fetchone()
+        except sqlite3.Error as exc:
+            self.last_error = f"outbox resume: {exc}"
+            return 0
+        return int(row[0])
+
     @property
     def awaiting(self) -> int:
         """Rows the broker acknowledged that wait for the fleet's confirmation."""

@@ -82,13 +82,16 @@ class Pump:
     # -- the connection's events --------------------------------------------------------------
 
     def connected(self) -> None:
-        """A new connection: PUBACKs still pending settle, and every row is sent again from
-        the start, kept rows the fleet has not confirmed too (the broker may have restarted
-        without them). Without settling first, delivery ``broker`` would send again rows
-        the broker acked just before the last connection went: duplicates for the fleet."""
+        """A new connection: PUBACKs still pending settle (else delivery ``broker`` would
+        send again rows the broker acked just before the connection went: duplicates), and
+        sending starts again at the oldest row the broker never acknowledged. Kept rows
+        waiting for the fleet are not sent again here: a broker restart would otherwise
+        have every device send its whole unconfirmed backlog at once (twice the queue the
+        broker is sized for, while the fleet is behind); :meth:`_resend_stale` sends those
+        the fleet shows it lost."""
         self.inflight.clear()
         self.settle()
-        self._cursor = 0
+        self._cursor = self.outbox.resume_after() if self.delivery.keep else 0
 
     def lost(self) -> None:
         self.inflight.clear()
