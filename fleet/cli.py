@@ -40,6 +40,7 @@ from fleet.cli_common import (
 )
 from fleet.errors import FleetError
 from fleet.keys_cli import keys_app
+from fleet.nodes_cli import nodes_app
 from fleet.pki_cli import broker_config_cmd, pki_app
 from fleet.rollout_cli import label as rollout_label
 from fleet.rollout_cli import rollout_app
@@ -427,6 +428,7 @@ app.command()(serve)
 app.add_typer(keys_app, name="keys")
 app.add_typer(bundle_app, name="bundle")
 app.add_typer(sessions_app, name="sessions")
+app.add_typer(nodes_app, name="nodes")
 
 
 def main() -> None:

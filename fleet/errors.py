@@ -113,6 +113,15 @@ class RolloutError(FleetError):
     """A rollout cannot be created or changed: the bundle, the plan or the request."""
 
 
+class LeadershipLost(RolloutError):
+    """This node no longer leads the rollouts (another took the lead): it must send
+    nothing more; what it decided last was not saved."""
+
+
+class NodesRefused(FleetError):
+    """This store cannot take another ``fleet serve`` node (SQLite holds one)."""
+
+
 class PlanError(RolloutError, ValueError):
     """A selector, wave list or threshold that cannot be planned; says what and where."""
 

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -24,6 +25,7 @@ from fleet.cli_common import (
     store_url,
 )
 from fleet.errors import FleetError, IngestError
+from fleet.leader import NodeBeat, check_alone, default_node
 from fleet.metrics import FleetMetrics, store_state
 from fleet.services import ApiService, build_api, service_failure, start_services
 from fleet.store import open_store
@@ -31,7 +33,7 @@ from fleet.store import open_store
 if TYPE_CHECKING:
     from fleet.api.server import HttpListen
     from fleet.ingest import IngestConfig
-    from fleet.rollout.orchestrator import RolloutService
+    from fleet.rollout.service import RolloutService
 
 log = logging.getLogger(__name__)
 _fail = fail
@@ -132,6 +134,13 @@ def serve(
         Path | None,
         typer.Option(help="Check bundles uploaded through the API against this root.json."),
     ] = None,
+    node_id: Annotated[
+        str,
+        typer.Option(
+            help="This node's name among the fleet serve nodes on one store (default: the "
+            "host name); on PostgreSQL the nodes elect one to run the rollouts.",
+        ),
+    ] = "",
     as_json: JsonOpt = False,
 ) -> None:
     """Ingest devices' MQTT uplink into the store until stopped (SIGTERM / Ctrl-C); with
@@ -163,6 +172,11 @@ def serve(
         )
     except IngestError as exc:
         _fail(str(exc), EXIT_USAGE)
+    node = node_id or default_node()
+    try:
+        beat = _join_nodes(config.store_url, node)
+    except FleetError as exc:
+        _fail(str(exc), EXIT_FAILURE)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -189,6 +203,7 @@ def serve(
             http=(artifact_host, artifact_port),
             coap_port=coap_port,
             advertise=advertise,
+            node=node,
         )
         if rollouts
         else None,
@@ -203,6 +218,8 @@ def serve(
             connect_timeout=connect_timeout or None,
             status_interval=status_interval or None,
             on_workers=metrics.update_ingest if metrics else None,
+            on_stats=lambda t: beat.beat(t.stored, t.received),
+            node=node,
         )
     except FleetError as exc:
         _fail(str(exc), EXIT_FAILURE)
@@ -210,6 +227,7 @@ def serve(
         stop.set()
         if service is not None:
             service.join(timeout=5)
+        beat.gone()
     if service_error:
         _fail(service_failure(service_error[0]), EXIT_FAILURE)
     per_worker = [s.as_dict() for s in stats]
@@ -226,10 +244,11 @@ def _rollout_service(
     http: tuple[str, int],
     coap_port: int,
     advertise: str,
+    node: str,
 ) -> RolloutService:
     """The artifact server and rollout orchestrator's settings, with the ingest's broker and
     credentials."""
-    from fleet.rollout.orchestrator import RolloutService  # noqa: PLC0415
+    from fleet.rollout.service import RolloutService  # noqa: PLC0415
 
     return RolloutService(
         store_url=config.store_url,
@@ -245,7 +264,18 @@ def _rollout_service(
         tls_ca=config.tls_ca,
         tls_cert=config.tls_cert,
         tls_key=config.tls_key,
+        node=node,
     )
+
+
+def _join_nodes(url: str, node: str) -> NodeBeat:
+    """Record this node on the store, refusing a second node on SQLite or a node id in
+    use (FleetError, one line)."""
+    st = open_store(url)
+    st.migrate()
+    now = time.time_ns()
+    check_alone(st, url, node, now)
+    return NodeBeat(st, node, now)
 
 
 def _listen(http: str, cert: Path | None, key: Path | None) -> HttpListen | None:

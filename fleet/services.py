@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from fleet.api.server import HttpListen
-    from fleet.rollout.orchestrator import RolloutService
+    from fleet.rollout.service import RolloutService
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def start_services(
     async def main() -> None:
         jobs: list[Coroutine[Any, Any, None]] = []
         if rollouts is not None:
-            from fleet.rollout.orchestrator import run_rollouts  # noqa: PLC0415
+            from fleet.rollout.service import run_rollouts  # noqa: PLC0415
 
             jobs.append(run_rollouts(rollouts, stop))
         if api is not None:

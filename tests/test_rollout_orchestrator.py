@@ -114,10 +114,12 @@ class FlakyStore(MemoryStore):
 
     fail = False
 
-    def save_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> None:
+    def save_rollout(
+        self, rollout_id: str, state: str, doc: str, now_ns: int, *, epoch: int | None = None
+    ) -> None:
         if self.fail:
             raise FleetStoreError(f"store {self.url}: save_rollout failed: database is locked")
-        super().save_rollout(rollout_id, state, doc, now_ns)
+        super().save_rollout(rollout_id, state, doc, now_ns, epoch=epoch)
 
 
 def memory_store(devices: list[str]) -> FlakyStore:

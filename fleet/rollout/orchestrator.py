@@ -14,27 +14,21 @@
 All of a rollout's state is its document in the store. After a restart the orchestrator
 reads the ``ota/status`` messages again from the oldest active rollout's creation on;
 the machine ignores what it has applied already (``(boot_id, seq)`` order), so the
-rollout continues where it was. Only one orchestrator should run per store.
+rollout continues where it was. One orchestrator runs per store: on several ``fleet
+serve`` nodes the one that holds the lead (:mod:`fleet.leader`), whose saves carry its
+epoch, so a node that lost the lead saves and sends nothing more.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
-import ssl
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
-
-import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
-from paho.mqtt.reasoncodes import ReasonCode
 
 from fleet.errors import FleetError, RolloutError
 from fleet.rollout import machine as m
@@ -271,6 +265,8 @@ class Orchestrator:
         self._sites: dict[str, str] = {}
         self._unsent: list[tuple[str, m.Command, str, bytes]] = []
         self._bad_docs: set[str] = set()
+        #: The lead's fencing token this orchestrator saves under (None: no lead to check).
+        self.epoch: int | None = None
 
     def _site(self, device: str) -> str | None:
         if device not in self._sites:
@@ -308,7 +304,7 @@ class Orchestrator:
             for rid in sorted(work.changed):
                 r, transport = work.rollouts[rid]
                 doc = json.dumps({**r.to_json(), "transport": transport})
-                self.store.save_rollout(rid, r.state, doc, now)
+                self.store.save_rollout(rid, r.state, doc, now, epoch=self.epoch)
                 saved.add(rid)
         finally:
             # Even when a later save failed: a saved rollout counts on its commands sent.
@@ -446,151 +442,4 @@ class Orchestrator:
             self._unsent.append((r.id, c, topic(site, c.device, "cmd/ota"), payload))
 
 
-class MqttCommands:
-    """The orchestrator's own MQTT client: QoS 1 publishes to devices' ``cmd/ota``."""
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        *,
-        client_id: str = "fleet-orchestrator",
-        username: str | None = None,
-        password: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-    ) -> None:
-        self._client = mqtt.Client(
-            CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5
-        )
-        if username is not None:
-            self._client.username_pw_set(username, password)
-        if tls_ca or tls_cert:
-            self._client.tls_set(
-                ca_certs=tls_ca,
-                certfile=tls_cert,
-                keyfile=tls_key,
-                tls_version=ssl.PROTOCOL_TLS_CLIENT,
-            )
-        self._connected = threading.Event()
-        self._client.on_connect = self._on_connect
-        self._client.on_disconnect = self._on_disconnect
-        self._client.reconnect_delay_set(min_delay=1, max_delay=10)
-        self.host, self.port = host, port
-
-    def _on_connect(self, _c: mqtt.Client, _u: Any, _f: Any, rc: ReasonCode, _p: Any) -> None:
-        if not rc.is_failure:
-            self._connected.set()
-
-    def _on_disconnect(self, *_a: Any) -> None:
-        self._connected.clear()
-
-    def start(self) -> None:
-        self._client.connect_async(self.host, self.port, keepalive=30)
-        self._client.loop_start()
-
-    def wait_connected(self, timeout: float) -> bool:
-        return self._connected.wait(timeout)
-
-    def publish(self, topic_name: str, payload: bytes) -> bool:
-        if not self._connected.is_set():
-            return False
-        info = self._client.publish(topic_name, payload, qos=1)
-        return info.rc == mqtt.MQTT_ERR_SUCCESS
-
-    def stop(self) -> None:
-        self._client.disconnect()
-        self._client.loop_stop()
-
-
-@dataclass(frozen=True)
-class RolloutService:
-    """What ``fleet serve`` runs beside the ingest: the artifact server and the orchestrator."""
-
-    store_url: str
-    artifacts: Path
-    broker_host: str = "127.0.0.1"
-    broker_port: int = 1883
-    http_host: str = "127.0.0.1"
-    http_port: int = 8700
-    coap_port: int = 5683
-    #: The host name devices use to reach the artifact server (default: http_host).
-    advertise: str = ""
-    tick_s: float = 0.5
-    username: str | None = None
-    password: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-
-    def __repr__(self) -> str:  # the password must never reach a log line
-        return f"RolloutService(store={self.store_url!r}, artifacts={str(self.artifacts)!r})"
-
-
-def serve_rollouts(cfg: RolloutService, stop: threading.Event) -> None:
-    """Blocking until ``stop``: run it in a thread of ``fleet serve``."""
-    asyncio.run(run_rollouts(cfg, stop))
-
-
-async def run_rollouts(cfg: RolloutService, stop: threading.Event) -> None:
-    """The artifact server and the orchestrator until ``stop``, on the running event loop."""
-    from fleet.artifacts import ArtifactServer  # noqa: PLC0415 - aiohttp/aiocoap on use
-    from fleet.store import open_store  # noqa: PLC0415
-
-    cfg.artifacts.mkdir(parents=True, exist_ok=True)
-    store = open_store(cfg.store_url)
-    store.migrate()
-    mq = MqttCommands(
-        cfg.broker_host,
-        cfg.broker_port,
-        username=cfg.username,
-        password=cfg.password,
-        tls_ca=cfg.tls_ca,
-        tls_cert=cfg.tls_cert,
-        tls_key=cfg.tls_key,
-    )
-    mq.start()
-    host = cfg.advertise or cfg.http_host
-    try:
-        async with ArtifactServer(
-            cfg.artifacts,
-            http_host=cfg.http_host,
-            http_port=cfg.http_port,
-            coap_host=cfg.http_host,
-            coap_port=cfg.coap_port,
-        ) as srv:
-
-            def url_for(sha: str, transport: str) -> str:
-                if transport == "coap":
-                    return f"coap://{host}:{srv.coap_port}/bundles/{sha}"
-                return f"http://{host}:{srv.http_port}/v1/bundles/{sha}"
-
-            orch = Orchestrator(store, publish=mq.publish, url_for=url_for)
-            log.info(
-                "rollouts: artifacts on http://%s:%d and coap://%s:%d",
-                host, srv.http_port, host, srv.coap_port,
-            )  # fmt: skip
-            while not stop.is_set():
-                try:
-                    await asyncio.to_thread(orch.step)
-                except FleetError as exc:
-                    log.error("rollouts: %s", exc)
-                except Exception:  # a bug must not silently end the rollout service
-                    log.exception("rollouts: step failed; retrying at the next tick")
-                await asyncio.sleep(cfg.tick_s)
-    finally:
-        mq.stop()
-        store.close()
-
-
-__all__ = [
-    "MqttCommands",
-    "Orchestrator",
-    "RolloutService",
-    "create_rollout",
-    "read_bundle",
-    "request",
-    "run_rollouts",
-    "serve_rollouts",
-]
+__all__ = ["Orchestrator", "create_rollout", "read_bundle", "request"]

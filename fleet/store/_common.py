@@ -293,12 +293,16 @@ def model_health_json(state: StateMsg) -> str:
     )
 
 
-def model_health_from_json(text: str) -> dict[str, Any]:
+def json_object(text: str) -> dict[str, Any]:
+    """A stored JSON object, or ``{}`` for anything else (damaged, or not an object)."""
     try:
         data: Any = json.loads(text)
     except ValueError:
         return {}
     return data if isinstance(data, dict) else {}
+
+
+model_health_from_json = json_object
 
 
 #: Columns read by :func:`device_info`, in order; ``last_seq`` comes from a subquery.

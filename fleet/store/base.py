@@ -91,6 +91,21 @@ class DeviceInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """One ``fleet serve`` node on the store (schema v9): who, since when, last seen, its
+    ingest figures (``stats``) and whether it leads the rollouts (and under which epoch)."""
+
+    node: str
+    host: str
+    pid: int
+    started_ns: int
+    seen_ns: int
+    stats: dict[str, object]
+    leader: bool
+    epoch: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class IngestSession:
     """One MQTT session of the ingest at the broker, as ``fleet serve`` records it (schema v3).
 
@@ -255,8 +270,27 @@ class Store(Protocol):
         """Create a rollout; False (nothing written) when the id exists already."""
         ...
 
-    def save_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> None:
-        """Insert or replace a rollout's whole state (one JSON document)."""
+    def save_rollout(
+        self, rollout_id: str, state: str, doc: str, now_ns: int, *, epoch: int | None = None
+    ) -> None:
+        """Insert or replace a rollout's whole state (one JSON document); with ``epoch``,
+        only while that epoch leads the rollouts (else ``LeadershipLost``)."""
+        ...
+
+    def node_seen(
+        self, node: str, *, host: str, pid: int, started_ns: int, now_ns: int, stats_json: str
+    ) -> None:
+        """A ``fleet serve`` node's heartbeat (schema v9)."""
+        ...
+
+    def node_gone(self, node: str) -> None: ...
+
+    def nodes(self) -> list[NodeInfo]:
+        """Every node recorded, the leader marked."""
+        ...
+
+    def take_lead(self, node: str, now_ns: int) -> int:
+        """``node`` leads the rollouts from now: the new epoch (fencing token)."""
         ...
 
     def rollouts(self, *, active_only: bool = False) -> list[tuple[str, str, str]]:

@@ -330,6 +330,26 @@ CREATE TABLE signal_minutes (
 )
 """
 
+# v9: the fleet serve nodes on this store and which one leads the rollouts. The leader
+# row's epoch is the fencing token: every save of a rollout names the epoch it was decided
+# under, and a node that lost the lead can no longer save, so it sends nothing.
+_V9 = """
+CREATE TABLE fleet_nodes (
+    node TEXT PRIMARY KEY,
+    host TEXT NOT NULL,
+    pid BIGINT NOT NULL,
+    started_ns BIGINT NOT NULL,
+    seen_ns BIGINT NOT NULL,
+    stats_json TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE fleet_leader (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    node TEXT NOT NULL,
+    epoch BIGINT NOT NULL,
+    since_ns BIGINT NOT NULL
+)
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "registry, boots, messages, quarantine", _V1_SQLITE, _V1_POSTGRES),
     Migration(2, "rollouts, rollout requests, device labels", _V2_SQLITE, _V2_POSTGRES),
@@ -338,6 +358,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(6, "the serving model's health per device", _V6_SQLITE, _V6_POSTGRES),
     Migration(7, "users, API tokens, console sessions, audit log", _V7_SQLITE, _V7_POSTGRES),
     Migration(8, "per-signal telemetry by minute", _V8_SQLITE, _V8_POSTGRES),
+    Migration(9, "fleet serve nodes and the rollout leader", _V9, _V9),
 )
 
 #: The schema version this code writes and reads.

@@ -84,6 +84,7 @@ class PostgresStore(SqlStore):
     """
 
     PARAM = "%s"
+    _FOR_SHARE = " FOR SHARE"
 
     def __init__(self, url: str, *, insert_mode: Literal["copy", "executemany"] = "copy") -> None:
         self._dsn = url

@@ -16,9 +16,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from fleet.errors import LeadershipLost
 from fleet.store import _common
 from fleet.store.access_sql import AccessSql
-from fleet.store.base import QUARANTINE_PAYLOAD_MAX, DeviceInfo, Gap, IngestSession, Quarantined
+from fleet.store.base import (
+    QUARANTINE_PAYLOAD_MAX,
+    DeviceInfo,
+    Gap,
+    IngestSession,
+    NodeInfo,
+    Quarantined,
+)
 from fleet.store.console_sql import ConsoleSql
 from fleet.store.sqlbase import Connection, Cursor
 from wire.messages import StateMsg
@@ -280,17 +288,99 @@ class SqlStore(AccessSql, ConsoleSql):
 
         return self._run("insert_rollout", go)
 
-    def save_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> None:
+    #: Appended to the leader read of a fenced save: PostgreSQL holds the row until the
+    #: save commits, so a node taking the lead waits for it (SQLite has one writer anyway).
+    _FOR_SHARE = ""
+
+    def save_rollout(
+        self, rollout_id: str, state: str, doc: str, now_ns: int, *, epoch: int | None = None
+    ) -> None:
+        """Save a rollout's document; with ``epoch``, only while that epoch leads (else
+        :class:`fleet.errors.LeadershipLost`, nothing written)."""
         sql = self._sql(
             self._INSERT_ROLLOUT + "ON CONFLICT (id) DO UPDATE SET "
             "state = excluded.state, updated_ns = excluded.updated_ns, doc = excluded.doc"
         )
+        lead = "SELECT node, epoch FROM fleet_leader WHERE id = 1" + self._FOR_SHARE  # noqa: S608 - a constant clause
 
         def go(db: Connection) -> None:
             with self._txn(db):
+                if epoch is not None:
+                    row = db.execute(lead).fetchone()
+                    if row is None or int(row[1]) != epoch:
+                        who = "nobody" if row is None else f"{row[0]} (epoch {row[1]})"
+                        raise LeadershipLost(
+                            f"rollout {rollout_id} not saved: epoch {epoch} no longer leads; "
+                            f"{who} does"
+                        )
                 db.execute(sql, (rollout_id, state, now_ns, now_ns, doc))
 
         self._run("save_rollout", go)
+
+    # -- nodes -------------------------------------------------------------------------------
+
+    def node_seen(
+        self, node: str, *, host: str, pid: int, started_ns: int, now_ns: int, stats_json: str
+    ) -> None:
+        """Record that ``node`` runs (a heartbeat, with its ingest figures)."""
+        sql = self._sql(
+            "INSERT INTO fleet_nodes (node, host, pid, started_ns, seen_ns, stats_json) "
+            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (node) DO UPDATE SET host = excluded.host, "
+            "pid = excluded.pid, started_ns = excluded.started_ns, seen_ns = excluded.seen_ns, "
+            "stats_json = excluded.stats_json"
+        )
+
+        def go(db: Connection) -> None:
+            with self._txn(db):
+                db.execute(sql, (node, host, pid, started_ns, now_ns, stats_json))
+
+        self._run("node_seen", go)
+
+    def node_gone(self, node: str) -> None:
+        """``node`` stopped cleanly: forget it."""
+        sql = self._sql("DELETE FROM fleet_nodes WHERE node = ?")
+
+        def go(db: Connection) -> None:
+            with self._txn(db):
+                db.execute(sql, (node,))
+
+        self._run("node_gone", go)
+
+    def nodes(self) -> list[NodeInfo]:
+        def go(db: Connection) -> list[NodeInfo]:
+            lead = db.execute("SELECT node, epoch FROM fleet_leader WHERE id = 1").fetchone()
+            rows = db.execute(
+                "SELECT node, host, pid, started_ns, seen_ns, stats_json FROM fleet_nodes "
+                "ORDER BY node"
+            ).fetchall()
+            out = []
+            for r in rows:
+                leads = lead is not None and lead[0] == r[0]
+                epoch = int(lead[1]) if leads else None
+                stats = _common.json_object(r[5])
+                out.append(
+                    NodeInfo(
+                        str(r[0]), str(r[1]), int(r[2]), int(r[3]), int(r[4]), stats, leads, epoch
+                    )
+                )
+            return out
+
+        return self._run("nodes", go)
+
+    def take_lead(self, node: str, now_ns: int) -> int:
+        """``node`` now leads the rollouts: a new epoch (the fencing token), returned. Call
+        only while holding the lead's lock (:mod:`fleet.leader`)."""
+        sql = self._sql(
+            "INSERT INTO fleet_leader (id, node, epoch, since_ns) VALUES (1, ?, 1, ?) "
+            "ON CONFLICT (id) DO UPDATE SET node = excluded.node, "
+            "epoch = fleet_leader.epoch + 1, since_ns = excluded.since_ns RETURNING epoch"
+        )
+
+        def go(db: Connection) -> int:
+            with self._txn(db):
+                return int(db.execute(sql, (node, now_ns)).fetchone()[0])
+
+        return self._run("take_lead", go)
 
     def rollouts(self, *, active_only: bool = False) -> list[tuple[str, str, str]]:
         where = " WHERE state IN ('running', 'paused')" if active_only else ""

@@ -14,12 +14,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fleet.errors import LeadershipLost
 from fleet.store import _common
 from fleet.store.base import (
     DeviceInfo,
     Gap,
     IngestResult,
     IngestSession,
+    NodeInfo,
     Quarantined,
     Row,
 )
@@ -66,6 +68,8 @@ class MemoryStore:
         self._rollouts: dict[str, tuple[str, int, int, str]] = {}  # state, created, updated, doc
         self._requests: list[list[Any]] = []  # id, rollout, action, requested, done
         self._sessions: dict[str, IngestSession] = {}
+        self._nodes: dict[str, tuple[str, int, int, int, str]] = {}
+        self._leader: tuple[str, int] | None = None
 
     def migrate(self) -> int:
         return LATEST
@@ -282,9 +286,39 @@ class MemoryStore:
         self._rollouts[rollout_id] = (state, now_ns, now_ns, doc)
         return True
 
-    def save_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> None:
+    def save_rollout(
+        self, rollout_id: str, state: str, doc: str, now_ns: int, *, epoch: int | None = None
+    ) -> None:
+        if epoch is not None and (self._leader is None or self._leader[1] != epoch):
+            raise LeadershipLost(f"rollout {rollout_id} not saved: epoch {epoch} no longer leads")
         created = self._rollouts.get(rollout_id, (state, now_ns, now_ns, doc))[1]
         self._rollouts[rollout_id] = (state, created, now_ns, doc)
+
+    # -- nodes ---------------------------------------------------------------------------
+
+    def node_seen(
+        self, node: str, *, host: str, pid: int, started_ns: int, now_ns: int, stats_json: str
+    ) -> None:
+        self._nodes[node] = (host, pid, started_ns, now_ns, stats_json)
+
+    def node_gone(self, node: str) -> None:
+        self._nodes.pop(node, None)
+
+    def nodes(self) -> list[NodeInfo]:
+        out = []
+        for node, (host, pid, started, seen, stats) in sorted(self._nodes.items()):
+            leads = self._leader is not None and self._leader[0] == node
+            epoch = self._leader[1] if leads and self._leader else None
+            info = NodeInfo(
+                node, host, pid, started, seen, _common.json_object(stats), leads, epoch
+            )
+            out.append(info)
+        return out
+
+    def take_lead(self, node: str, now_ns: int) -> int:
+        epoch = (self._leader[1] if self._leader else 0) + 1
+        self._leader = (node, epoch)
+        return epoch
 
     def rollouts(self, *, active_only: bool = False) -> list[tuple[str, str, str]]:
         items = sorted(self._rollouts.items(), key=lambda kv: (-kv[1][1], kv[0]))

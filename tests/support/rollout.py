@@ -19,8 +19,9 @@ from edge_agent.fleetsim import SimAgent, sim_config
 from fleet.ingest import IngestConfig
 from fleet.ingest import serve as ingest_serve
 from fleet.rollout import machine as m
-from fleet.rollout.orchestrator import RolloutService, create_rollout, load, serve_rollouts
+from fleet.rollout.orchestrator import create_rollout, load
 from fleet.rollout.plan import parse_selector
+from fleet.rollout.service import RolloutService, serve_rollouts
 from fleet.store import Store, open_store
 from tests.support.mosquitto import Mosquitto
 from tests.support.ota import DEVICE_TYPE, Signer, model_members
