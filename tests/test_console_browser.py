@@ -82,6 +82,8 @@ def test_sign_in_and_the_devices_of_the_running_fleet(world: tuple[Fleet, Api]) 
         driver.find_element(By.NAME, "user").send_keys("olga")
         driver.find_element(By.NAME, "password").send_keys("wrong horse battery")
         driver.find_element(By.ID, "signin").click()
+        # The refusal is a new page (the password hash takes a moment): wait for it.
+        until(lambda: driver.find_elements(By.ID, "error"), 15, "the sign-in refusal")
         assert driver.find_element(By.ID, "error").text == "wrong user name or password"
         shot(driver, "signin")
         sign_in(driver, api, "olga", "/devices")
