@@ -132,11 +132,13 @@ class PgLead:
                 self._db = None
 
 
+def _postgres(url: str) -> bool:
+    return url.lower().startswith(("postgresql://", "postgres://"))
+
+
 def lead_for(url: str, store: OperatorStore, node: str) -> Lead:
     """The lead of the store at ``url``: PostgreSQL elects, SQLite has one node."""
-    if url.lower().startswith(("postgresql://", "postgres://")):
-        return PgLead(url, store, node)
-    return SoloLead(store, node)
+    return PgLead(url, store, node) if _postgres(url) else SoloLead(store, node)
 
 
 def default_node() -> str:
@@ -146,7 +148,7 @@ def default_node() -> str:
 def check_alone(store: OperatorStore, url: str, node: str, now_ns: int) -> None:
     """Refuse to start a node that would share the store wrongly: a second node on SQLite,
     or a node id another live process uses. One line naming the other node."""
-    sqlite = not url.lower().startswith(("postgresql://", "postgres://"))
+    sqlite = not _postgres(url)
     for other in store.nodes():
         if now_ns - other.seen_ns > GONE_AFTER_S * _S or not _may_run(other.host, other.pid):
             continue  # gone: unseen for long, or its process on this host is no more
@@ -182,7 +184,7 @@ def _may_run(host: str, pid: int) -> bool:
 
 class NodeBeat:
     """This node's row in ``fleet_nodes``: recorded at start, every :data:`BEAT_S` with the
-    ingest's figures (:meth:`beat`), removed at a clean stop."""
+    ingest's figures (:meth:`beat`), removed at a clean stop (:meth:`gone`)."""
 
     def __init__(self, store: OperatorStore, node: str, now_ns: int) -> None:
         self._store, self.node = store, node

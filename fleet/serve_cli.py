@@ -28,7 +28,7 @@ from fleet.errors import FleetError, IngestError
 from fleet.leader import NodeBeat, check_alone, default_node
 from fleet.metrics import FleetMetrics, store_state
 from fleet.services import ApiService, build_api, service_failure, start_services
-from fleet.store import open_store
+from fleet.store import OperatorStore, open_store
 
 if TYPE_CHECKING:
     from fleet.api.server import HttpListen
@@ -174,7 +174,7 @@ def serve(
         _fail(str(exc), EXIT_USAGE)
     node = node_id or default_node()
     try:
-        beat = _join_nodes(config.store_url, node)
+        node_store, beat = _join_nodes(config.store_url, node)
     except FleetError as exc:
         _fail(str(exc), EXIT_FAILURE)
     stop = threading.Event()
@@ -228,6 +228,7 @@ def serve(
         if service is not None:
             service.join(timeout=5)
         beat.gone()
+        node_store.close()
     if service_error:
         _fail(service_failure(service_error[0]), EXIT_FAILURE)
     per_worker = [s.as_dict() for s in stats]
@@ -268,14 +269,19 @@ def _rollout_service(
     )
 
 
-def _join_nodes(url: str, node: str) -> NodeBeat:
-    """Record this node on the store, refusing a second node on SQLite or a node id in
-    use (FleetError, one line)."""
+def _join_nodes(url: str, node: str) -> tuple[OperatorStore, NodeBeat]:
+    """Record this node on the store (its own handle, for the heartbeats; the caller
+    closes it), refusing a second node on SQLite or a node id in use (FleetError, one
+    line)."""
     st = open_store(url)
-    st.migrate()
-    now = time.time_ns()
-    check_alone(st, url, node, now)
-    return NodeBeat(st, node, now)
+    try:
+        st.migrate()
+        now = time.time_ns()
+        check_alone(st, url, node, now)
+        return st, NodeBeat(st, node, now)
+    except BaseException:
+        st.close()
+        raise
 
 
 def _listen(http: str, cert: Path | None, key: Path | None) -> HttpListen | None:

@@ -8,6 +8,7 @@ dropped for the ingest (gaps, see the second half).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -289,28 +290,40 @@ def test_fleet_serve_logs_and_counts_the_messages_a_broker_dropped_for_it(
     assert store.gaps(device) == [Gap(device, boot, 10, 49)]
 
 
-def test_two_workers_storing_out_of_order_report_no_gap(
-    broker: Mosquitto, store_url: str, store: Store, device: str
-) -> None:
-    """Two workers of the shared group store one device's messages in two interleaved
-    streams: every message's predecessor is the other worker's, often not yet committed.
-    Within the grace period that is no gap."""
+@contextlib.contextmanager
+def two_workers(
+    broker: Mosquitto, store_url: str, device: str, *, grace_s: float
+) -> Iterator[tuple[IngestConfig, Publisher, list[IngestStats]]]:
+    """``serve`` with two worker processes (gaps audited every 0.2 s after ``grace_s``) in a
+    thread, a publisher, and the workers' final stats (filled once the block is left)."""
     config = IngestConfig(
         store_url=store_url,
         broker_host=broker.host,
         broker_port=broker.port,
         client_id=f"w-{device}",
         batch_ms=20,
-        gap_grace_s=3.0,
+        gap_grace_s=grace_s,
         gap_check_s=0.2,
     )
-    boots = {f"{device}-{i}": boot_id() for i in range(3)}
     stop = threading.Event()
     results: list[IngestStats] = []
     runner = threading.Thread(target=lambda: results.extend(serve(config, workers=2, stop=stop)))
     runner.start()
     try:
-        pub = Publisher(broker.host, broker.port)
+        yield config, Publisher(broker.host, broker.port), results
+    finally:
+        stop.set()
+        runner.join(90)
+
+
+def test_two_workers_storing_out_of_order_report_no_gap(
+    broker: Mosquitto, store_url: str, store: Store, device: str
+) -> None:
+    """Two workers of the shared group store one device's messages in two interleaved
+    streams: every message's predecessor is the other worker's, often not yet committed.
+    Within the grace period that is no gap."""
+    boots = {f"{device}-{i}": boot_id() for i in range(3)}
+    with two_workers(broker, store_url, device, grace_s=3.0) as (config, pub, results):
         first = next(iter(boots))
         probe_until_stored(pub, store, state(first, boots[first], 0), 60)
         time.sleep(2)  # the second worker joins the group
@@ -323,9 +336,6 @@ def test_two_workers_storing_out_of_order_report_no_gap(
             lambda: all(len(store.telemetry(d, limit=n)) == n for d in boots), 60, "all stored"
         )
         time.sleep(config.gap_grace_s + 1.5)  # every window audited
-    finally:
-        stop.set()
-        runner.join(90)
     assert len(results) == 2
     assert all(r.stored > 0 for r in results), [r.stored for r in results]
     assert sum(r.gaps for r in results) == 0
@@ -374,23 +384,9 @@ def test_a_restarted_worker_delivering_its_session_late_is_no_gap(
     than the 1 s grace. Before, the other worker's audit called that share missing (false
     gaps, 5,914 ranges in the chaos benchmark's full SQLite run); now the audit waits
     until every worker has caught up."""
-    config = IngestConfig(
-        store_url=store_url,
-        broker_host=broker.host,
-        broker_port=broker.port,
-        client_id=f"w-{device}",
-        batch_ms=20,
-        gap_grace_s=1.0,
-        gap_check_s=0.2,
-    )
     boots = {f"{device}-{i}": boot_id() for i in range(3)}
-    stop = threading.Event()
-    results: list[IngestStats] = []
-    runner = threading.Thread(target=lambda: results.extend(serve(config, workers=2, stop=stop)))
-    runner.start()
     n = 200
-    try:
-        pub = Publisher(broker.host, broker.port)
+    with two_workers(broker, store_url, device, grace_s=1.0) as (config, pub, results):
         first = next(iter(boots))
         probe_until_stored(pub, store, state(first, boots[first], 0), 60)
         wait_until(lambda: len(multiprocessing.active_children()) >= 2, 30, "two workers")
@@ -408,9 +404,6 @@ def test_a_restarted_worker_delivering_its_session_late_is_no_gap(
             lambda: all(len(store.telemetry(d, limit=n)) == n for d in boots), 90, "all stored"
         )
         time.sleep(config.gap_grace_s + 3)  # every window audited
-    finally:
-        stop.set()
-        runner.join(90)
     assert sum(r.gaps for r in results) == 0, [r.gaps for r in results]
     assert all(store.gaps(d) == [] for d in boots)
 

@@ -140,6 +140,9 @@ class Outbox:
         self._awaiting = int(row[3])
         #: Rows the fleet's ``cmd/stored`` confirmed (deleted), since start.
         self.confirmed = 0
+        #: Whether a fleet ever confirmed a row of this outbox: from then on, in the ``auto``
+        #: delivery mode, rows are kept after their PUBACK. Remembered in ``meta``.
+        self.fleet_confirms = self._flag("fleet_confirms")
         try:
             self._start_boot()
         except sqlite3.Error as exc:
@@ -471,24 +474,19 @@ class Outbox:
             log.error("uplink outbox %s: cannot delete confirmed rows: %s", self.path, exc)
             self._recount()
             return 0, 0
-        self._fleet_confirms = True
+        self.fleet_confirms = True
         self.confirmed += deleted
         return deleted, latest
 
-    @property
-    def fleet_confirms(self) -> bool:
-        """Whether a fleet ever confirmed a row of this outbox (``cmd/stored``): from then
-        on, in the ``auto`` delivery mode, rows are kept after their PUBACK."""
-        cached: bool | None = getattr(self, "_fleet_confirms", None)
-        if cached is None:
-            try:
-                row = self._conn.execute(
-                    "SELECT value FROM meta WHERE key = 'fleet_confirms'"
-                ).fetchone()
-            except sqlite3.Error:
-                return False
-            cached = self._fleet_confirms = row is not None
-        return cached
+    def _flag(self, key: str) -> bool:
+        """Whether ``meta`` holds ``key`` (False on an I/O error)."""
+        try:
+            return (
+                self._conn.execute("SELECT 1 FROM meta WHERE key = ?", (key,)).fetchone()
+                is not None
+            )
+        except sqlite3.Error:
+            return False
 
     def stale(self, acked_before_ns: int, limit: int) -> list[OutboxRow]:
         """Up to ``limit`` rows, oldest first, that the broker acknowledged before

@@ -452,8 +452,9 @@ class IngestWorker:
             and now - self._connected_at >= SETTLE_S
             and now - self._committed_at >= SETTLE_S
         )
-        if settled:
-            self.stats.horizon_ns = time.time_ns()
+        self.stats.horizon_ns = horizon_after(
+            self.stats.horizon_ns, time.time_ns(), settled=settled, grace_ns=self._grace_ns
+        )
 
     def _audit_gaps(self, store: StoreOps, watch: GapWatch) -> None:
         """Every ``gap_check_s``: ask the store for new holes behind the messages received
