@@ -124,8 +124,11 @@ def state(
     t_ns: int = T0,
     clean: bool = True,
     version: str = "0.1.0",
+    held: int | None = None,
 ) -> StateMsg:
+    extra = {} if held is None else {"held": held}
     return StateMsg(
+        **extra,  # type: ignore[arg-type]
         device=device,
         boot_id=boot,
         seq=seq,
@@ -690,6 +693,53 @@ def test_a_boot_of_which_nothing_arrived_is_one_gap(store: Store) -> None:
     assert store.gaps("gw3") == [Gap("gw3", BOOT_A, 0, 3)]
     store.record_state("gw4", "plant1", state("gw4", "online", seq=0), T0)
     assert store.gaps("gw4") == []
+
+
+def test_what_the_device_still_holds_is_on_its_way_not_a_gap(store: Store) -> None:
+    # The device numbered 0..19 and still holds 8 and up (kept for the fleet's
+    # confirmation): of the holes 2..3, 8..9 and the tail 15..19 only 2..3 is lost.
+    store.ingest([telemetry("gw1", s) for s in (0, 1, 4, 5, 6, 7, 10, 11, 12, 13, 14)])
+    store.record_state("gw1", "plant1", state("gw1", "online", seq=20, held=8), T0 + 1)
+    assert store.gaps() == [Gap("gw1", BOOT_A, 2, 3)]
+    # A hole that straddles it is cut below it.
+    store.record_state("gw1", "plant1", state("gw1", "online", seq=20, held=3), T0 + 2)
+    assert store.gaps() == [Gap("gw1", BOOT_A, 2, 3)], "held only rises"
+    store.record_state("gw1", "plant1", state("gw1", "online", seq=20, t_ns=T0 + 5), T0 + 3)
+    assert store.gaps() == [Gap("gw1", BOOT_A, 2, 3)], "a state without held keeps it"
+    store.record_state("gw1", "plant1", state("gw1", "online", seq=20, held=9), T0 + 4)
+    assert store.gaps() == [Gap("gw1", BOOT_A, 2, 3), Gap("gw1", BOOT_A, 8, 8)]
+    # Nothing held any more (held = the watermark): every hole and the tail are lost.
+    store.record_state("gw1", "plant1", state("gw1", "online", seq=20, held=20), T0 + 5)
+    assert store.gaps("gw1") == [
+        Gap("gw1", BOOT_A, 2, 3),
+        Gap("gw1", BOOT_A, 8, 9),
+        Gap("gw1", BOOT_A, 15, 19),
+    ]
+
+
+def test_the_audit_passes_over_holes_the_device_still_holds(store: Store) -> None:
+    store.record_state("gw1", "plant1", state("gw1", "online", seq=0, held=0), 50)
+    store.ingest([_received_at(telemetry("gw1", s), 100 + s) for s in (0, 1, 2, 9, 10)])
+    store.record_state("gw1", "plant1", state("gw1", "online", seq=11, held=5), 120)
+    # 3..8 is missing; the device still holds 5 and up: 3..4 is a gap, 5..8 on its way.
+    assert store.record_new_gaps(0, 200, found_ns=1) == [Gap("gw1", BOOT_A, 3, 4)]
+
+
+def test_an_online_made_before_the_offline_that_followed_does_not_revive_a_device(
+    store: Store,
+) -> None:
+    # Two workers: the device's last periodic online (t0 + 5 s) is stored after its clean
+    # offline at stop (t0 + 6 s). The device stays offline; a later birth brings it back.
+    store.record_state("gw1", "plant1", state("gw1", "online", t_ns=T0), T0)
+    store.record_state("gw1", "plant1", state("gw1", "offline", t_ns=T0 + 6 * SEC), T0 + 1)
+    store.record_state("gw1", "plant1", state("gw1", "online", t_ns=T0 + 5 * SEC), T0 + 2)
+    info = store.device("gw1")
+    assert info is not None
+    assert not info.online
+    store.record_state("gw1", "plant1", state("gw1", "online", t_ns=T0 + 9 * SEC), T0 + 3)
+    info = store.device("gw1")
+    assert info is not None
+    assert info.online
 
 
 def _received_at(row: Row, received_ns: int) -> Row:

@@ -194,6 +194,14 @@ def _seqs(store_url: str) -> list[int]:
         store.close()
 
 
+def _gaps(store_url: str) -> list[tuple[str, int, int]]:
+    store = open_store(store_url)
+    try:
+        return [(g.boot_id, g.first_missing, g.last_missing) for g in store.gaps()]
+    finally:
+        store.close()
+
+
 @pytest.mark.peers
 @pytest.mark.parametrize("delivery", ["auto", "broker"])
 def test_a_broker_killed_before_saving_loses_nothing_once_the_fleet_confirms(
@@ -202,8 +210,10 @@ def test_a_broker_killed_before_saving_loses_nothing_once_the_fleet_confirms(
     """The ingest is down (an upgrade); the broker acknowledges 40 decisions, queues them
     for the ingest's session, and is SIGKILLed before it saves them. With the fleet's
     confirmations the agent still holds them and, once the fleet confirms later ones and
-    not these, sends them again: all 55 are stored. With ``delivery = "broker"`` (PUBACK
-    is enough, as before) those 40 are gone: the failure this guards against."""
+    not these, sends them again: all 55 are stored. While they are on their way the fleet
+    reports no gap: the device's state says it still holds them (``held``). With
+    ``delivery = "broker"`` (PUBACK is enough, as before) those 40 are gone, the failure
+    this guards against, and the fleet reports exactly them."""
     store_url = f"sqlite://{tmp_path / 'fleet.db'}"
     broker = _forgetful_broker(tmp_path / "broker")
     broker.start()
@@ -211,7 +221,11 @@ def test_a_broker_killed_before_saving_loses_nothing_once_the_fleet_confirms(
     def ingest() -> IngestWorker:
         w = IngestWorker(
             IngestConfig(
-                store_url=store_url, broker_port=broker.port, client_id="ingest-t", gap_check_s=0
+                store_url=store_url,
+                broker_port=broker.port,
+                client_id="ingest-t",
+                gap_check_s=0.3,
+                gap_grace_s=0.3,
             )
         )
         w.start()
@@ -219,7 +233,7 @@ def test_a_broker_killed_before_saving_loses_nothing_once_the_fleet_confirms(
         return w
 
     worker = ingest()
-    up = uplink(section(broker.port, delivery=delivery, confirm_timeout_s=1), tmp_path / "state")
+    up = uplink(section(broker.port, delivery=delivery, confirm_timeout_s=6), tmp_path / "state")
 
     async def main() -> dict[str, object]:
         task = asyncio.create_task(up.run())
@@ -245,10 +259,17 @@ def test_a_broker_killed_before_saving_loses_nothing_once_the_fleet_confirms(
                 # broker lost, acked before it, are sent again confirm_timeout_s later.
                 for i in range(50, 55):
                     assert up.publish_decision(make_decision(i))
+                await until(lambda: _seqs(store_url)[-1:] == [54], 20, "54 stored")
+                await asyncio.sleep(1.5)  # audits every 0.3 s, with a hole 10..49 open
+                gaps = await asyncio.to_thread(_gaps, store_url)
                 if delivery == "auto":
+                    assert _seqs(store_url) == list(range(10)) + list(range(50, 55))
+                    assert (gaps, revived.stats.gaps) == ([], 0)  # on their way
                     await until(lambda: up.stats()["outbox_rows"] == 0, 30, "all confirmed")
                 else:
-                    await asyncio.sleep(3)  # room for anything that would still come
+                    assert gaps == [(up.session.boot_id, 10, 49)]
+                    await until(lambda: revived.stats.gaps == 1, 10, "the gap logged")
+                    await asyncio.sleep(2)  # room for anything that would still come
             finally:
                 await asyncio.to_thread(revived.stop)
             return up.stats()
@@ -263,6 +284,7 @@ def test_a_broker_killed_before_saving_loses_nothing_once_the_fleet_confirms(
     if delivery == "auto":
         assert seqs == list(range(55)), seqs
         assert stats["resent"] == 40, stats  # by the timer, not all at the reconnect
+        assert _gaps(store_url) == []
     else:
         assert seqs == list(range(10)) + list(range(50, 55)), seqs
 

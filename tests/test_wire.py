@@ -153,6 +153,17 @@ def test_text_with_a_nul_is_refused_as_postgresql_would_fail_on_it() -> None:
     assert err.value.where == "$.agent_version"
 
 
+def test_a_state_holding_seqs_it_never_numbered_is_refused() -> None:
+    body = {"device": "gw1", "boot_id": "a" * 32, "seq": 5, "t_ns": 1, "state": "online"}
+    body |= {"site": "plant1", "held": 5}
+    msg = decode("state", json.dumps(body).encode())
+    assert isinstance(msg, StateMsg)
+    assert msg.held == 5
+    body["held"] = 6
+    with pytest.raises(WireError, match="held 6 is beyond the watermark"):
+        decode("state", json.dumps(body).encode())
+
+
 def test_bad_payloads() -> None:
     good = encode(telemetry())
     with pytest.raises(WireError, match="expected at most"):

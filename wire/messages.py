@@ -89,6 +89,15 @@ class StateMsg(Envelope, kw_only=True, frozen=True):
     agent_version: ShortText = ""
     model_sha256: Annotated[str, msgspec.Meta(pattern=r"^([0-9a-f]{64})?$")] = ""
     model_health: ModelHealth | UnsetType = UNSET
+    #: The lowest seq of this boot the device still holds (sends again until the fleet's
+    #: ``cmd/stored`` names it): below it, what the fleet does not have is lost; at or
+    #: above it, on its way. ``seq`` when it holds none. Absent: the device lets a message
+    #: go once the broker acknowledged it (delivery ``broker``, or an older agent).
+    held: U63 | UnsetType = UNSET
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.held, UnsetType) and self.held > self.seq:
+            raise ValueError(f"held {self.held} is beyond the watermark (seq {self.seq})")
 
 
 class SignalStats(_Strict, array_like=True, frozen=True):

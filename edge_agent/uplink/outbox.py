@@ -356,6 +356,18 @@ class Outbox:
         except sqlite3.Error as exc:
             self.last_error = f"outbox boots: {exc}"
 
+    def held(self, boot_id: str) -> int | None:
+        """The lowest seq of ``boot_id`` still in the outbox (None: none is, or an I/O
+        error; the caller then reports the boot's count)."""
+        try:
+            row = self._conn.execute(
+                "SELECT MIN(seq) FROM outbox WHERE boot_id = ?", (boot_id,)
+            ).fetchone()
+        except sqlite3.Error as exc:
+            self.last_error = f"outbox held: {exc}"
+            return None
+        return None if row is None or row[0] is None else int(row[0])
+
     def stopped_clean(self) -> None:
         """This boot stops cleanly (its epitaph will say ``clean``)."""
         try:

@@ -16,7 +16,10 @@ confirms what it stores, when its ``cmd/stored`` names it (:mod:`.delivery`). Af
 outage the backlog drains at the paced rate while new rows append behind it.
 
 State (``.../state``, retained, QoS 1): ``online`` at every connect, ``offline`` with
-``clean=False`` as the Last Will, and a clean ``offline`` at :meth:`Uplink.run`'s end.
+``clean=False`` as the Last Will, and a clean ``offline`` at :meth:`Uplink.run`'s end. While
+rows are kept for the fleet's confirmation, every state carries ``held`` (the lowest seq of
+its boot still in the outbox), and ``online`` is published again when it moved, at most
+every ``HELD_EVERY_S``: the fleet reports a missing seq as lost only below it.
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ CONNACK_TIMEOUT_S = 10.0
 #: At the end of run(): time to flush the outbox, then to get the clean offline acked.
 FLUSH_S = 1.0
 OFFLINE_ACK_S = 0.5
+#: While rows are kept for the fleet: how often, at most, the state goes out again to tell
+#: it the lowest seq the outbox still holds (a fleet that knows an older one reports less
+#: as lost, never more).
+HELD_EVERY_S = 30.0
 
 Build = Callable[[str, int], Message]
 
@@ -125,7 +132,12 @@ class Uplink:
         self._client: mqtt.Client | None = None
         self._connecting: asyncio.Future[Any] | None = None
         self._connected = False
-        self._epitaphs: dict[int, str] = {}  # mid -> the earlier boot it ends
+        #: mid -> (the earlier boot it ends, whether the outbox holds none of its rows).
+        self._epitaphs: dict[int, tuple[str, bool]] = {}
+        #: The ``held`` of this boot the fleet was last told, and when to look again.
+        self._held_told: int | None = None
+        self._held_due = 0.0
+        self._birth_t = 0
         #: Messages never sent, per kind (invalid at publish, or over the wire limit).
         self.invalid: dict[str, int] = {}
         self.pump = Pump(
@@ -250,6 +262,7 @@ class Uplink:
         """A state message of this boot, or with ``boot`` = ``(boot_id, watermark)`` of an
         earlier one (its epitaph)."""
         boot_id, watermark = boot or (self.session.boot_id, self.session.watermark)
+        held = self._held(boot_id, watermark)
         fields: dict[str, Any] = {
             "device": self.device,
             "boot_id": boot_id,
@@ -262,6 +275,8 @@ class Uplink:
             "agent_version": self.agent_version[:128],
             "model_sha256": "",
         }
+        if held is not None:
+            fields["held"] = held
         try:
             fields["model_sha256"] = self.model_sha256()
             health = self.model_health() if self.model_health and state == "online" else None
@@ -274,6 +289,35 @@ class Uplink:
             fields.update(model_sha256="", agent_version="")
             fields.pop("model_health", None)
             return encode(msgspec.convert(fields, StateMsg))
+
+    def _held(self, boot_id: str, watermark: int) -> int | None:
+        """The state's ``held`` for ``boot_id`` (see the module docstring); None while a
+        row leaves the outbox at its PUBACK."""
+        if not self.pump.delivery.keep:
+            return None
+        oldest = self.outbox.held(boot_id)
+        return watermark if oldest is None else min(oldest, watermark)
+
+    def _tell_held(self) -> None:
+        """While rows are kept: publish the state again (and the epitaphs of earlier boots
+        the outbox still holds rows of) once this boot's ``held`` moved, at most every
+        ``HELD_EVERY_S``; at once the first time."""
+        client = self._client
+        now = time.monotonic()
+        if client is None or not self._connected or not self.pump.delivery.keep:
+            return
+        if self._held_told is not None and now < self._held_due:
+            return
+        self._held_due = now + HELD_EVERY_S
+        held = self._held(self.session.boot_id, self.session.watermark)
+        if held == self._held_told and not self._epitaphs_due():
+            return
+        self._held_told = held
+        self._publish_epitaphs(client, self._birth_t - 1)
+        self.announce()
+
+    def _epitaphs_due(self) -> bool:
+        return bool(self.outbox.previous_boots())
 
     # -- paho side (network thread): hand everything to the loop ----------------------------
 
@@ -376,7 +420,9 @@ class Uplink:
             return
         ended = self._epitaphs.pop(mid, None)  # else a state message
         if ended is not None and not failed and not nobody:
-            self.outbox.forget_boot(ended)
+            boot_id, final = ended
+            if final:
+                self.outbox.forget_boot(boot_id)  # else told again by _tell_held
             self.epitaphs += 1
 
     def _on_command(self, topic_name: str, payload: bytes) -> None:
@@ -419,7 +465,9 @@ class Uplink:
                 if await self._connect_once():
                     attempt = 0
                     if self._client is not None:
-                        await self.pump.drain(self._client, lambda: self._connected)
+                        await self.pump.drain(
+                            self._client, lambda: self._connected, tick=self._tell_held
+                        )
                     await self._teardown()
                 else:
                     await self._teardown()
@@ -482,7 +530,8 @@ class Uplink:
             self.session.boot_id,
             len(self.outbox),
         )
-        birth_t = self.clock_ns()
+        birth_t = self._birth_t = self.clock_ns()
+        self._held_told = None  # the first turn of the pump tells it
         self._publish_epitaphs(client, birth_t - 1)
         client.publish(
             self.state_topic, self._state("online", clean=True, t_ns=birth_t), qos=1, retain=True
@@ -499,13 +548,16 @@ class Uplink:
         way to the ingest would be a tail no one could see. With this watermark ``fleet
         gaps`` reports it. The fleet raises the old boot's watermark and, the message being
         older than this birth, never lets it mark the device offline after the birth.
-        Sent again at every connect until the broker acknowledges it to a subscriber."""
+        Sent again at every connect until the broker acknowledges it to a subscriber and,
+        while rows are kept for the fleet, with the boot's ``held`` by :meth:`_tell_held`
+        until none of its rows is left."""
         self._epitaphs.clear()
         for boot_id, numbered, clean in self.outbox.previous_boots():
             payload = self._state("offline", clean=clean, boot=(boot_id, numbered), t_ns=t_ns)
             info = client.publish(self.state_topic, payload, qos=1, retain=False)
             if info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
-                self._epitaphs[info.mid] = boot_id
+                final = self._held(boot_id, numbered) in (None, numbered)
+                self._epitaphs[info.mid] = (boot_id, final)
 
     def _failed(self, why: str) -> bool:
         self.connect_failures += 1

@@ -153,13 +153,21 @@ class Pump:
     # -- sending ------------------------------------------------------------------------------
 
     async def drain(
-        self, client: mqtt.Client, connected: Callable[[], bool], *, until_idle: bool = False
+        self,
+        client: mqtt.Client,
+        connected: Callable[[], bool],
+        *,
+        until_idle: bool = False,
+        tick: Callable[[], None] | None = None,
     ) -> None:
         """Send outbox rows while ``connected()`` (or, ``until_idle``, until nothing is left
-        to send or to be confirmed)."""
+        to send or to be confirmed). ``tick`` is called at every turn (at least once a
+        second while rows are kept for the fleet's confirmation)."""
         while connected():
             self._wake.clear()
             self.settle()
+            if tick is not None:
+                tick()
             if self._resend_from is not None:
                 self._cursor = min(self._cursor, self._resend_from - 1)
                 self._resend_from = None

@@ -250,21 +250,27 @@ def conflict_rows(rows: Sequence[Row]) -> list[tuple[int, str, str, str, str, by
     ]
 
 
-def state_applies(
-    current_boot: str | None, current_t_ns: int | None, boot_id: str, t_ns: int
-) -> bool:
-    """Whether a state message of ``boot_id`` made at ``t_ns`` may set online/offline.
+def state_applies(current: tuple[str | None, int | None, bool], state: StateMsg) -> bool:
+    """Whether ``state`` may set online/offline over the registry's ``current``
+    ``(boot_id, state_t_ns, online)``.
 
     The registry follows the newest boot. A state of the boot it already follows applies in
     arrival order (a Last Will is composed at connect time, so its ``t_ns`` is older than the
     birth it pairs with and cannot be ordered by time). A state of another boot applies only
     if it was made after the state that set the current boot: a Last Will or clean offline of
     an old boot that arrives late is older than the new boot's birth and must not mark the
-    new boot offline. (This trusts device clocks to move forward across a reboot.)
+    new boot offline. (This trusts device clocks to move forward across a reboot.) One
+    exception in a boot: an ``online`` made before the state the registry holds does not
+    bring an offline device back (a device republishes ``online`` while it runs; the last
+    one, handled by another worker, can be stored after the ``offline`` that followed it).
     """
-    if current_boot is None or current_t_ns is None or current_boot == boot_id:
+    current_boot, current_t_ns, current_online = current
+    if current_boot is None or current_t_ns is None:
         return True
-    return t_ns > current_t_ns
+    if current_boot == state.boot_id:
+        late_online = state.state == "online" and not current_online
+        return not (late_online and state.t_ns < current_t_ns)
+    return state.t_ns > current_t_ns
 
 
 def latency_from_json(text: str) -> dict[str, float]:
@@ -336,8 +342,9 @@ def gaps_sql(by_device: bool) -> str:
     """Gap detection in one query, per (device, boot): the head (seqs start at 0), holes
     between stored seqs (LAG over seq), and the tail up to the boot's watermark (the number
     of seqs the device had assigned when it last sent a state message; see
-    :mod:`wire.messages`), including a boot of which nothing arrived. A tail may be data
-    still on its way. Written with ``?`` (see :meth:`fleet.store.sql.SqlStore._sql`).
+    :mod:`wire.messages`), including a boot of which nothing arrived. Each with the boot's
+    ``held`` for :func:`gap_rows`. Written with ``?`` (see
+    :meth:`fleet.store.sql.SqlStore._sql`).
     """
     where = "WHERE device = ?" if by_device else ""
     bwhere = "AND b.device = ?" if by_device else ""
@@ -374,7 +381,7 @@ found AS (
     SELECT * FROM heads UNION ALL SELECT * FROM holes
     UNION ALL SELECT * FROM tails UNION ALL SELECT * FROM empties
 )
-SELECT f.device, f.boot_id, f.first_missing, f.last_missing
+SELECT f.device, f.boot_id, f.first_missing, f.last_missing, b.held
 FROM found f LEFT JOIN boots b ON b.device = f.device AND b.boot_id = f.boot_id
 ORDER BY f.device, b.first_received_ns, f.boot_id, f.first_missing
 """  # noqa: S608 - constant fragments; values are bound parameters
@@ -385,13 +392,14 @@ def holes_received_sql() -> str:
     whose seq - 1 is not stored is the upper edge of one; its lower edge is the highest
     stored seq below it (none: the hole starts at 0). Two index lookups per message
     received in the window (``(kind, received_ns)``, then the primary key), in the
-    database; the rows it returns are only the holes. Bind
-    ``(since, until)``."""
+    database; the rows it returns are only the holes, each with the boot's ``held`` for
+    :func:`gap_rows`. Bind ``(since, until)``."""
     return """
 SELECT e.device, e.boot_id,
        COALESCE((SELECT MAX(p.seq) FROM messages p
                  WHERE p.device = e.device AND p.boot_id = e.boot_id AND p.seq < e.seq), -1) + 1,
-       e.seq - 1
+       e.seq - 1,
+       (SELECT b.held FROM boots b WHERE b.device = e.device AND b.boot_id = e.boot_id)
 FROM messages e
 WHERE e.kind IN ('telemetry', 'decision', 'ota/status')
   AND e.received_ns >= ? AND e.received_ns < ? AND e.seq > 0
@@ -413,7 +421,24 @@ RECORD_HOLE = (
 
 
 def gap_rows(rows: Sequence[Sequence[Any]]) -> list[Gap]:
-    return [Gap(str(r[0]), str(r[1]), int(r[2]), int(r[3])) for r in rows]
+    """``(device, boot_id, first, last[, held])`` rows as gaps. A boot's ``held`` is the
+    lowest seq its device still holds (see :class:`wire.messages.StateMsg`): what is missing
+    at or above it is on its way, not lost, so a range is cut below it (dropped if it lies
+    wholly above). NULL: the device keeps nothing once the broker has it; every hole counts."""
+    gaps = []
+    for r in rows:
+        last = int(r[3])
+        held = r[4] if len(r) > 4 else None
+        if held is not None:
+            last = min(last, int(held) - 1)
+        if last >= int(r[2]):
+            gaps.append(Gap(str(r[0]), str(r[1]), int(r[2]), last))
+    return gaps
+
+
+def held_of(state: StateMsg) -> int | None:
+    """A state message's ``held`` as a column value (None when absent)."""
+    return None if isinstance(state.held, msgspec.UnsetType) else state.held
 
 
 def counts_from(kinds: Sequence[Sequence[Any]], quarantined: int, devices: int) -> dict[str, int]:

@@ -178,10 +178,10 @@ class Store(Protocol):
 
         A state of an OLDER boot than the one the registry holds (by ``t_ns``) only raises the
         watermark of that old boot; it never marks the newer boot offline. The state's ``seq``
-        (the device's data watermark) feeds :meth:`gaps`. Adds the device (at ``site``) if
-        missing: apply the registration policy first. Never changes a registered device's
-        site: a message cannot move a device (the ingest refuses one whose topic names
-        another site, see :meth:`device_site`).
+        (the device's data watermark) and its ``held`` (only ever raised) feed :meth:`gaps`.
+        Adds the device (at ``site``) if missing: apply the registration policy first. Never
+        changes a registered device's site: a message cannot move a device (the ingest
+        refuses one whose topic names another site, see :meth:`device_site`).
         """
         ...
 
@@ -233,8 +233,10 @@ class Store(Protocol):
         """Seq holes per ``(device, boot_id)`` between the lowest and highest seq stored, plus
         the tail from the highest stored seq up to the boot's state watermark when known.
 
-        A boot with a watermark but no stored data reports ``0..watermark``. Ordered by
-        device, boot's first receive time, first_missing.
+        A boot with a watermark but no stored data reports ``0..watermark``. Nothing at or
+        above the boot's ``held`` (the lowest seq its device still holds, from its state
+        messages) is reported: that is on its way. Ordered by device, boot's first receive
+        time, first_missing.
         """
         ...
 
@@ -244,7 +246,8 @@ class Store(Protocol):
         (several workers may audit the same window: each hole is returned to one of them).
 
         A hole is keyed by its first missing seq: one that shrank from below since it was
-        recorded (some of it arrived late) is a new hole.
+        recorded (some of it arrived late) is a new hole. A hole at or above the boot's
+        ``held`` is not one (see :meth:`gaps`).
         """
         ...
 

@@ -350,6 +350,11 @@ CREATE TABLE fleet_leader (
 )
 """
 
+# v10: the lowest seq a device still holds per boot (the state message's ``held``): a hole
+# at or above it is on its way, not a gap (see fleet.store._common.gap_rows).
+_V10_SQLITE = "ALTER TABLE boots ADD COLUMN held INTEGER"
+_V10_POSTGRES = "ALTER TABLE boots ADD COLUMN held BIGINT"
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "registry, boots, messages, quarantine", _V1_SQLITE, _V1_POSTGRES),
     Migration(2, "rollouts, rollout requests, device labels", _V2_SQLITE, _V2_POSTGRES),
@@ -359,6 +364,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(7, "users, API tokens, console sessions, audit log", _V7_SQLITE, _V7_POSTGRES),
     Migration(8, "per-signal telemetry by minute", _V8_SQLITE, _V8_POSTGRES),
     Migration(9, "fleet serve nodes and the rollout leader", _V9, _V9),
+    Migration(10, "the seq each device boot still holds", _V10_SQLITE, _V10_POSTGRES),
 )
 
 #: The schema version this code writes and reads.

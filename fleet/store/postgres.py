@@ -298,12 +298,13 @@ class PostgresStore(SqlStore):
         def go(db: psycopg.Connection[tuple[Any, ...]]) -> None:
             with db.transaction():
                 db.execute(
-                    "INSERT INTO boots (device, boot_id, first_received_ns, watermark) "
-                    "VALUES (%s, %s, %s, %s) ON CONFLICT (device, boot_id) DO UPDATE SET "
+                    "INSERT INTO boots (device, boot_id, first_received_ns, watermark, held) "
+                    "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (device, boot_id) DO UPDATE SET "
                     "first_received_ns = LEAST(boots.first_received_ns, "
                     "EXCLUDED.first_received_ns), "
-                    "watermark = GREATEST(boots.watermark, EXCLUDED.watermark)",
-                    (device, state.boot_id, received_ns, state.seq),
+                    "watermark = GREATEST(boots.watermark, EXCLUDED.watermark), "
+                    "held = GREATEST(boots.held, EXCLUDED.held)",
+                    (device, state.boot_id, received_ns, state.seq, _common.held_of(state)),
                 )
                 # FOR UPDATE: two workers handling two states of one device decide in turn.
                 db.execute(
@@ -314,11 +315,10 @@ class PostgresStore(SqlStore):
                     (device, site, received_ns, received_ns),
                 )
                 row = db.execute(
-                    "SELECT boot_id, state_t_ns FROM devices WHERE device = %s FOR UPDATE",
+                    "SELECT boot_id, state_t_ns, online FROM devices WHERE device = %s FOR UPDATE",
                     (device,),
                 ).fetchone()
-                boot, t_ns = row if row else (None, None)
-                self._apply_state(db, device, state, boot, t_ns)
+                self._apply_state(db, device, state, row)
 
         self._run("record_state", go)
 

@@ -112,12 +112,17 @@ class SqlStore(AccessSql, ConsoleSql):
         self._run("quarantine", go)
 
     def _apply_state(
-        self, db: Connection, device: str, state: StateMsg, boot: str | None, t_ns: int | None
+        self,
+        db: Connection,
+        device: str,
+        state: StateMsg,
+        current: tuple[str | None, int | None, object] | None,
     ) -> None:
         """The last step of ``record_state``, inside its transaction: the device's state
-        fields from ``state`` if it is newer than the stored ``(boot, t_ns)``. Never the
-        site: a device's site is the one it was registered with."""
-        if not _common.state_applies(boot, t_ns, state.boot_id, state.t_ns):
+        fields from ``state`` if it is newer than the stored ``(boot, t_ns, online)``.
+        Never the site: a device's site is the one it was registered with."""
+        boot, t_ns, online = current or (None, None, False)
+        if not _common.state_applies((boot, t_ns, bool(online)), state):
             return
         db.execute(
             self._sql(

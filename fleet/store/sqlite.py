@@ -268,11 +268,14 @@ class SqliteStore(SqlStore):
         def go(db: sqlite3.Connection) -> None:
             with self._write(db):
                 db.execute(
-                    "INSERT INTO boots (device, boot_id, first_received_ns, watermark) "
-                    "VALUES (?, ?, ?, ?) ON CONFLICT (device, boot_id) DO UPDATE SET "
+                    "INSERT INTO boots (device, boot_id, first_received_ns, watermark, held) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (device, boot_id) DO UPDATE SET "
                     "first_received_ns = MIN(first_received_ns, excluded.first_received_ns), "
-                    "watermark = MAX(COALESCE(watermark, -1), excluded.watermark)",
-                    (device, state.boot_id, received_ns, state.seq),
+                    "watermark = MAX(COALESCE(watermark, -1), excluded.watermark), "
+                    # The higher of the two; one that is NULL does not count (PostgreSQL's
+                    # GREATEST); a boot's held only rises.
+                    "held = MAX(COALESCE(held, excluded.held), COALESCE(excluded.held, held))",
+                    (device, state.boot_id, received_ns, state.seq, _common.held_of(state)),
                 )
                 db.execute(
                     "INSERT INTO devices (device, site, first_seen_ns, last_seen_ns) "
@@ -281,10 +284,10 @@ class SqliteStore(SqlStore):
                     + _FIRST_SEEN,
                     (device, site, received_ns, received_ns),
                 )
-                boot, t_ns = db.execute(
-                    "SELECT boot_id, state_t_ns FROM devices WHERE device = ?", (device,)
+                row = db.execute(
+                    "SELECT boot_id, state_t_ns, online FROM devices WHERE device = ?", (device,)
                 ).fetchone()
-                self._apply_state(db, device, state, boot, t_ns)
+                self._apply_state(db, device, state, row)
 
         self._run("record_state", go)
 

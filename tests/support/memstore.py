@@ -52,6 +52,7 @@ class _Device:
 class _Boot:
     first_received_ns: int
     watermark: int | None = None
+    held: int | None = None
 
 
 class MemoryStore:
@@ -127,8 +128,11 @@ class MemoryStore:
         b = self._boots.setdefault((device, state.boot_id), _Boot(received_ns))
         b.first_received_ns = min(b.first_received_ns, received_ns)
         b.watermark = max(b.watermark if b.watermark is not None else -1, state.seq)
+        held = _common.held_of(state)
+        if held is not None:
+            b.held = held if b.held is None else max(b.held, held)
         d = self._seen(device, site, received_ns, received_ns)
-        if not _common.state_applies(d.boot_id, d.state_t_ns, state.boot_id, state.t_ns):
+        if not _common.state_applies((d.boot_id, d.state_t_ns, d.online), state):
             return
         d.state_t_ns = (
             state.t_ns if d.boot_id != state.boot_id else max(d.state_t_ns or 0, state.t_ns)
@@ -228,7 +232,7 @@ class MemoryStore:
             if device is not None and dev != device:
                 continue
             have = sorted(seqs.get((dev, boot), []))
-            found += _holes(dev, boot, have, b.watermark)
+            found += _cut(_holes(dev, boot, have, b.watermark), b.held)
         first = {k: b.first_received_ns for k, b in self._boots.items()}
         return sorted(
             found,
@@ -247,10 +251,15 @@ class MemoryStore:
             ]
             first = max(below) + 1 if below else 0
             key = (r.device, r.boot_id, first)
-            if key not in self._recorded_gaps:
+            cut = _cut([Gap(r.device, r.boot_id, first, r.seq - 1)], self._boots_held(r))
+            if cut and key not in self._recorded_gaps:
                 self._recorded_gaps.add(key)
-                new.append(Gap(r.device, r.boot_id, first, r.seq - 1))
+                new += cut
         return new
+
+    def _boots_held(self, r: Row) -> int | None:
+        b = self._boots.get((r.device, r.boot_id))
+        return None if b is None else b.held
 
     def quarantined(self, *, limit: int = 100) -> list[Quarantined]:
         limit = _common.check_limit(limit)
@@ -378,6 +387,17 @@ class MemoryStore:
 
     def close(self) -> None:
         return None
+
+
+def _cut(gaps: list[Gap], held: int | None) -> list[Gap]:
+    """What of ``gaps`` lies below the boot's ``held`` (see fleet.store._common.gap_rows)."""
+    if held is None:
+        return gaps
+    return [
+        replace(g, last_missing=min(g.last_missing, held - 1))
+        for g in gaps
+        if g.first_missing < held
+    ]
 
 
 def _holes(device: str, boot: str, have: Iterable[int], watermark: int | None) -> list[Gap]:
