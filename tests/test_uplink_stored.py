@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+from msgspec import UnsetType
 
 from edge_agent.uplink.delivery import Delivery
-from edge_agent.uplink.outbox import Outbox
+from edge_agent.uplink.outbox import Outbox, Session
+from edge_agent.uplink.states import HELD_EVERY_S, StateMessages
 from fleet.ingest import IngestConfig, IngestWorker
 from fleet.store import open_store
 from tests.support.mosquitto import Mosquitto
@@ -27,6 +29,7 @@ from tests.support.uplink import section, stop, until, uplink
 from tests.support.uplink_device_proc import make_decision
 from wire import WireError
 from wire.commands import MAX_STORED_RANGES, decode_stored, seq_ranges, stored_commands
+from wire.messages import StateMsg, decode
 
 S = 1_000_000_000
 BOOT = "0123456789abcdef0123456789abcdef"
@@ -163,6 +166,54 @@ def test_an_outbox_of_the_previous_schema_gains_the_ack_column(tmp_path: Path) -
     box = Outbox(path, boot_id="e" * 32)
     assert (len(box), box.awaiting) == (1, 0)
     assert box.confirm(BOOT, [(0, 0)])[0] == 1
+    box.close()
+
+
+def test_the_state_tells_the_lowest_held_seq_again_when_it_moved(tmp_path: Path) -> None:
+    clock, mono = Clock(), [0.0]
+    session = Session(BOOT)
+    box = Outbox(tmp_path / "o.db", boot_id=BOOT, clock_ns=clock)
+    keep = [False]
+    states = StateMessages(
+        device="gw1",
+        site="plant1",
+        device_type="gw",
+        agent_version="1.0",
+        model_sha256=lambda: "a" * 64,
+        model_health=None,
+        clock_ns=clock,
+        session=session,
+        outbox=box,
+        keep=lambda: keep[0],
+        monotonic=lambda: mono[0],
+    )
+    for _ in range(5):
+        assert box.put("decision", "t", b"{}", session.take())
+
+    def told(payload: bytes) -> tuple[int, int | None]:
+        msg = decode("state", payload)
+        assert isinstance(msg, StateMsg)
+        return msg.seq, None if isinstance(msg.held, UnsetType) else msg.held
+
+    assert told(states.make("online", True)) == (5, None)  # rows go at their PUBACK
+    assert not states.tell_held()
+    keep[0] = True  # the fleet's first confirmation
+    assert states.tell_held(), "at once: no online carried held yet"
+    assert told(states.make("online", True)) == (5, 0)
+    mono[0] += HELD_EVERY_S - 1
+    box.confirm(BOOT, [(0, 2)])
+    assert not states.tell_held(), "not before HELD_EVERY_S"
+    mono[0] += 1
+    assert states.tell_held()
+    assert told(states.make("online", True)) == (5, 3)
+    mono[0] += HELD_EVERY_S
+    assert not states.tell_held(), "held did not move"
+    box.confirm(BOOT, [(3, 4)])
+    mono[0] += HELD_EVERY_S
+    assert states.tell_held()
+    assert told(states.make("online", True)) == (5, 5), "none held: the watermark"
+    # An earlier boot's epitaph carries its own held.
+    assert told(states.make("offline", True, boot=("e" * 32, 9))) == (9, 9)
     box.close()
 
 

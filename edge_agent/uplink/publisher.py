@@ -19,7 +19,8 @@ State (``.../state``, retained, QoS 1): ``online`` at every connect, ``offline``
 ``clean=False`` as the Last Will, and a clean ``offline`` at :meth:`Uplink.run`'s end. While
 rows are kept for the fleet's confirmation, every state carries ``held`` (the lowest seq of
 its boot still in the outbox), and ``online`` is published again when it moved, at most
-every ``HELD_EVERY_S``: the fleet reports a missing seq as lost only below it.
+every ``HELD_EVERY_S``: the fleet reports a missing seq as lost only below it. The payloads
+and that cadence: :mod:`.states`.
 """
 
 from __future__ import annotations
@@ -46,12 +47,12 @@ from edge_agent.rules import Decision
 from edge_agent.uplink.config import UplinkSection
 from edge_agent.uplink.outbox import Outbox, Session
 from edge_agent.uplink.pump import Pump
+from edge_agent.uplink.states import StateMessages
 from wire.errors import WireError
 from wire.messages import (
     KINDS,
     DecisionMsg,
     Message,
-    StateMsg,
     decode,
     encode,
     kind_of,
@@ -67,10 +68,6 @@ CONNACK_TIMEOUT_S = 10.0
 #: At the end of run(): time to flush the outbox, then to get the clean offline acked.
 FLUSH_S = 1.0
 OFFLINE_ACK_S = 0.5
-#: While rows are kept for the fleet: how often, at most, the state goes out again to tell
-#: it the lowest seq the outbox still holds (a fleet that knows an older one reports less
-#: as lost, never more).
-HELD_EVERY_S = 30.0
 
 Build = Callable[[str, int], Message]
 
@@ -103,13 +100,7 @@ class Uplink:
         on_command: Callable[[str, bytes], None] | None = None,
     ) -> None:
         self.section = section
-        self.site = site
         self.device = device
-        self.device_type = device_type
-        self.agent_version = agent_version
-        self.model_sha256 = model_sha256
-        #: The serving model's health for ``online`` states (None: nothing to report).
-        self.model_health = model_health
         self.priority = priority
         self.clock_ns = clock_ns
         #: Called on the event loop with (name, payload) for each ``.../cmd/{name}`` message.
@@ -134,14 +125,24 @@ class Uplink:
         self._connected = False
         #: mid -> (the earlier boot it ends, whether the outbox holds none of its rows).
         self._epitaphs: dict[int, tuple[str, bool]] = {}
-        #: The ``held`` of this boot the fleet was last told, and when to look again.
-        self._held_told: int | None = None
-        self._held_due = 0.0
+        #: When this connection's birth was made: epitaphs are dated just before it.
         self._birth_t = 0
         #: Messages never sent, per kind (invalid at publish, or over the wire limit).
         self.invalid: dict[str, int] = {}
         self.pump = Pump(
             self.outbox, section, wake=self._wake, invalid=self.invalid, clock_ns=clock_ns
+        )
+        self.states = StateMessages(
+            device=device,
+            site=site,
+            device_type=device_type,
+            agent_version=agent_version,
+            model_sha256=model_sha256,
+            model_health=model_health,
+            clock_ns=clock_ns,
+            session=self.session,
+            outbox=self.outbox,
+            keep=lambda: self.pump.delivery.keep,
         )
         self._ran = False
         #: Set once run() is cancelled: a connection lost from then on is part of stopping.
@@ -249,75 +250,17 @@ class Uplink:
         registry reads them from there."""
         client = self._client
         if client is not None and self._connected:
-            client.publish(self.state_topic, self._state("online", clean=True), qos=1, retain=True)
-
-    def _state(
-        self,
-        state: str,
-        clean: bool,
-        *,
-        boot: tuple[str, int] | None = None,
-        t_ns: int | None = None,
-    ) -> bytes:
-        """A state message of this boot, or with ``boot`` = ``(boot_id, watermark)`` of an
-        earlier one (its epitaph)."""
-        boot_id, watermark = boot or (self.session.boot_id, self.session.watermark)
-        held = self._held(boot_id, watermark)
-        fields: dict[str, Any] = {
-            "device": self.device,
-            "boot_id": boot_id,
-            "seq": watermark,
-            "t_ns": self.clock_ns() if t_ns is None else t_ns,
-            "state": state,
-            "clean": clean,
-            "site": self.site,
-            "device_type": self.device_type,
-            "agent_version": self.agent_version[:128],
-            "model_sha256": "",
-        }
-        if held is not None:
-            fields["held"] = held
-        try:
-            fields["model_sha256"] = self.model_sha256()
-            health = self.model_health() if self.model_health and state == "online" else None
-            if health is not None and boot is None:
-                fields["model_health"] = health
-            return encode(msgspec.convert(fields, StateMsg))
-        except (msgspec.ValidationError, ValueError, TypeError) as exc:
-            # A state message must go out even if one of its details is off.
-            log.warning("uplink: state message without model hash/agent version: %s", exc)
-            fields.update(model_sha256="", agent_version="")
-            fields.pop("model_health", None)
-            return encode(msgspec.convert(fields, StateMsg))
-
-    def _held(self, boot_id: str, watermark: int) -> int | None:
-        """The state's ``held`` for ``boot_id`` (see the module docstring); None while a
-        row leaves the outbox at its PUBACK."""
-        if not self.pump.delivery.keep:
-            return None
-        oldest = self.outbox.held(boot_id)
-        return watermark if oldest is None else min(oldest, watermark)
+            client.publish(
+                self.state_topic, self.states.make("online", clean=True), qos=1, retain=True
+            )
 
     def _tell_held(self) -> None:
-        """While rows are kept: publish the state again (and the epitaphs of earlier boots
-        the outbox still holds rows of) once this boot's ``held`` moved, at most every
-        ``HELD_EVERY_S``; at once the first time."""
+        """While rows are kept: the state and the epitaphs again when ``held`` moved (see
+        :mod:`.states`)."""
         client = self._client
-        now = time.monotonic()
-        if client is None or not self._connected or not self.pump.delivery.keep:
-            return
-        if self._held_told is not None and now < self._held_due:
-            return
-        self._held_due = now + HELD_EVERY_S
-        held = self._held(self.session.boot_id, self.session.watermark)
-        if held == self._held_told and not self._epitaphs_due():
-            return
-        self._held_told = held
-        self._publish_epitaphs(client, self._birth_t - 1)
-        self.announce()
-
-    def _epitaphs_due(self) -> bool:
-        return bool(self.outbox.previous_boots())
+        if client is not None and self._connected and self.states.tell_held():
+            self._publish_epitaphs(client, self._birth_t - 1)
+            self.announce()
 
     # -- paho side (network thread): hand everything to the loop ----------------------------
 
@@ -350,7 +293,9 @@ class Uplink:
                         f"cannot read uplink.password_file {s.password_file!r}: {exc.strerror}"
                     ) from None
             client.username_pw_set(s.username, password)
-        client.will_set(self.state_topic, self._state("offline", clean=False), qos=1, retain=True)
+        client.will_set(
+            self.state_topic, self.states.make("offline", clean=False), qos=1, retain=True
+        )
 
         def on_socket_open(c: mqtt.Client, _u: object, sock: Any) -> None:
             if self.priority is None or not isinstance(sock, socket.socket):
@@ -531,10 +476,12 @@ class Uplink:
             len(self.outbox),
         )
         birth_t = self._birth_t = self.clock_ns()
-        self._held_told = None  # the first turn of the pump tells it
         self._publish_epitaphs(client, birth_t - 1)
         client.publish(
-            self.state_topic, self._state("online", clean=True, t_ns=birth_t), qos=1, retain=True
+            self.state_topic,
+            self.states.make("online", clean=True, t_ns=birth_t),
+            qos=1,
+            retain=True,
         )
         client.subscribe(f"{self.root}/cmd/#", qos=1)
         return True
@@ -553,10 +500,10 @@ class Uplink:
         until none of its rows is left."""
         self._epitaphs.clear()
         for boot_id, numbered, clean in self.outbox.previous_boots():
-            payload = self._state("offline", clean=clean, boot=(boot_id, numbered), t_ns=t_ns)
+            payload = self.states.make("offline", clean=clean, boot=(boot_id, numbered), t_ns=t_ns)
             info = client.publish(self.state_topic, payload, qos=1, retain=False)
             if info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS:
-                final = self._held(boot_id, numbered) in (None, numbered)
+                final = self.states.held(boot_id, numbered) in (None, numbered)
                 self._epitaphs[info.mid] = (boot_id, final)
 
     def _failed(self, why: str) -> bool:
@@ -598,7 +545,7 @@ class Uplink:
         self.pump.settle()
         if self._connected:
             info = client.publish(
-                self.state_topic, self._state("offline", clean=True), qos=1, retain=True
+                self.state_topic, self.states.make("offline", clean=True), qos=1, retain=True
             )
             with contextlib.suppress(ValueError, RuntimeError):
                 await asyncio.to_thread(info.wait_for_publish, OFFLINE_ACK_S)
