@@ -14,18 +14,26 @@ checked against that pattern before any path is built, so no request can reach a
 
 Files are immutable (content-addressed), so cached descriptors and sizes never go stale;
 a bundle removed from the directory is served until its descriptor leaves the cache.
+
+Several ``fleet serve`` nodes: ``fleet rollout create`` also keeps the bundle in the store
+(up to ``STORED_BUNDLE_MAX_BYTES``), and a server given ``fill`` fetches a bundle its
+directory lacks from there (hash checked, written atomically) before serving it, so every
+node serves every bundle and offers can name a load balancer in front of them all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import errno
 import hashlib
+import logging
 import os
 import re
 import ssl
 import tempfile
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -36,15 +44,27 @@ import aiocoap.resource
 from aiocoap.numbers.codes import Code
 from aiohttp import web
 
-from fleet.errors import ArtifactError, ArtifactPortInUse
+from fleet.errors import ArtifactError, ArtifactPortInUse, FleetError
 from ota.fsutil import fsync_dir
 
-__all__ = ["BUNDLE_SUFFIX", "ArtifactServer", "ArtifactStats", "bundle_path", "publish"]
+__all__ = [
+    "BUNDLE_SUFFIX",
+    "STORED_BUNDLE_MAX_BYTES",
+    "ArtifactServer",
+    "ArtifactStats",
+    "bundle_path",
+    "publish",
+]
+
+log = logging.getLogger(__name__)
 
 BUNDLE_SUFFIX = ".efb"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _MAX_SZX = 6  # 1024-byte blocks; BERT (szx 7) is for CoAP over TCP only
 _OPEN_FILES = 32  # descriptors kept open for CoAP block reads (LRU)
+#: Largest bundle kept in the store for the other nodes (a model or agent patch is a few
+#: MB; a whole image beyond this needs the artifact directory shared between nodes).
+STORED_BUNDLE_MAX_BYTES = 256 * 1024 * 1024
 
 
 def is_sha256(name: str) -> bool:
@@ -64,25 +84,32 @@ def publish(directory: Path, source: Path) -> str:
     Blocking (hashing and copying a file): call it from a thread in async code.
     """
     try:
-        digest = hashlib.sha256()
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".publish-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out, open(source, "rb") as src:
-                while block := src.read(1 << 20):
-                    digest.update(block)
-                    out.write(block)
-                out.flush()
-                os.fsync(out.fileno())
-            sha = digest.hexdigest()
-            os.replace(tmp, bundle_path(directory, sha))
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        fsync_dir(directory)
+        with open(source, "rb") as src:
+            return _place(directory, iter(lambda: src.read(1 << 20), b""))
     except OSError as exc:
         raise ArtifactError(f"cannot publish {source} into {directory}: {exc}") from exc
+
+
+def _place(directory: Path, blocks: Iterator[bytes]) -> str:
+    """Write ``blocks`` into ``directory`` as ``<their sha256>.efb``: a temporary file,
+    fsynced, renamed, the directory fsynced. Raises OSError."""
+    digest = hashlib.sha256()
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".publish-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for block in blocks:
+                digest.update(block)
+                out.write(block)
+            out.flush()
+            os.fsync(out.fileno())
+        sha = digest.hexdigest()
+        os.replace(tmp, bundle_path(directory, sha))
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)
     return sha
 
 
@@ -98,6 +125,10 @@ class ArtifactStats:
     coap_bytes: int = 0
     coap_not_found: int = 0
     coap_bad_name: int = 0
+    #: Bundles fetched from the store into the directory; fetches that failed or whose
+    #: bytes did not hash to their name (not served).
+    filled: int = 0
+    fill_errors: int = 0
 
 
 class _BlockFiles:
@@ -139,10 +170,16 @@ class _CoapBundles(aiocoap.resource.Resource):  # type: ignore[misc]
     a block transfer.
     """
 
-    def __init__(self, files: _BlockFiles, stats: ArtifactStats) -> None:
+    def __init__(
+        self,
+        files: _BlockFiles,
+        stats: ArtifactStats,
+        fill: Callable[[str], Awaitable[bool]],
+    ) -> None:
         super().__init__()
         self._files = files
         self._stats = stats
+        self._fill = fill
 
     async def needs_blockwise_assembly(self, request: Any) -> bool:
         return False  # we answer Block2 ourselves; aiocoap would render whole files
@@ -156,6 +193,8 @@ class _CoapBundles(aiocoap.resource.Resource):  # type: ignore[misc]
             self._stats.coap_bad_name += 1
             return _coap_error(Code.BAD_REQUEST, "expected bundles/<sha256, 64 lowercase hex>")
         entry = self._files.get(path[1])
+        if entry is None and await self._fill(path[1]):
+            entry = self._files.get(path[1])
         if entry is None:
             self._stats.coap_not_found += 1
             return _coap_error(Code.NOT_FOUND, f"no bundle {path[1]}")
@@ -226,8 +265,11 @@ class ArtifactServer:
         coap_host: str = "127.0.0.1",
         coap_port: int = 0,
         http_ssl: ssl.SSLContext | None = None,
+        fill: Callable[[str], bytes | None] | None = None,
     ) -> None:
         self.directory = directory
+        #: Blocking: the bytes of a bundle the directory lacks (the store's), or None.
+        self._fill_from = fill
         self._http_ssl = http_ssl
         self._http_host, self._http_port = http_host, http_port
         self._coap_host, self._coap_port = coap_host, coap_port
@@ -286,7 +328,7 @@ class ArtifactServer:
         self._http_port = int(self._runner.addresses[0][1])
 
     async def _start_coap(self) -> None:
-        root = _CoapBundles(self._files, self.stats)
+        root = _CoapBundles(self._files, self.stats, self._fill)
         try:
             self._coap = await _ServerContext.create_server_context(
                 root, bind=(self._coap_host, self._coap_port), transports=["udp6"]
@@ -319,7 +361,7 @@ class ArtifactServer:
             self.stats.http_bad_name += 1
             raise web.HTTPBadRequest(text=f"{exc}\n") from None
         # A stat, not I/O worth a thread; FileResponse does its own in the executor.
-        if not path.is_file():
+        if not path.is_file() and not await self._fill(sha):
             self.stats.http_not_found += 1
             raise web.HTTPNotFound(text=f"no bundle {sha}\n")
         return web.FileResponse(
@@ -330,6 +372,30 @@ class ArtifactServer:
                 "Cache-Control": "public, max-age=31536000, immutable",
             },
         )
+
+    async def _fill(self, sha: str) -> bool:
+        """Fetch a bundle the directory lacks from ``fill`` into it; True once it is there.
+        Bytes that do not hash to ``sha`` are refused (logged, counted, not served)."""
+        if self._fill_from is None:
+            return False
+        try:
+            data = await asyncio.to_thread(self._fill_from, sha)
+            if data is None:
+                return False
+            placed = await asyncio.to_thread(_place, self.directory, iter((data,)))
+        except (FleetError, OSError) as exc:  # the store or the disk: this request fails
+            self.stats.fill_errors += 1
+            log.error("artifacts: cannot fetch bundle %s from the store: %s", sha, exc)
+            return False
+        if placed != sha:
+            with contextlib.suppress(OSError):
+                os.unlink(bundle_path(self.directory, placed))
+            self.stats.fill_errors += 1
+            log.error("artifacts: the store's bundle %s hashes to %s: not served", sha, placed)
+            return False
+        self.stats.filled += 1
+        log.info("artifacts: bundle %s fetched from the store (%d bytes)", sha, len(data))
+        return True
 
 
 def _url_host(host: str) -> str:

@@ -24,9 +24,10 @@ from fleet.cli_common import (
     fail,
     store_url,
 )
-from fleet.errors import FleetError, IngestError
+from fleet.errors import FleetError, IngestError, RolloutError
 from fleet.leader import NodeBeat, check_alone, default_node
 from fleet.metrics import FleetMetrics, store_state
+from fleet.rollout.service import check_artifact_url
 from fleet.services import ApiService, build_api, service_failure, start_services
 from fleet.store import OperatorStore, open_store
 
@@ -120,6 +121,13 @@ def serve(
             help="Host name devices use for the artifact server (default: the bind address)."
         ),
     ] = "",
+    artifact_url: Annotated[
+        str,
+        typer.Option(
+            help="Base URL of the HTTP(S) offers, e.g. a load balancer in front of every node "
+            "(https://bundles.plant:8700); default http://ADVERTISE:ARTIFACT-PORT."
+        ),
+    ] = "",
     http: Annotated[
         str,
         typer.Option(
@@ -170,7 +178,8 @@ def serve(
             tls_cert=str(tls_cert) if tls_cert else None,
             tls_key=str(tls_key) if tls_key else None,
         )
-    except IngestError as exc:
+        check_artifact_url(artifact_url)
+    except (IngestError, RolloutError) as exc:
         _fail(str(exc), EXIT_USAGE)
     node = node_id or default_node()
     try:
@@ -203,6 +212,7 @@ def serve(
             http=(artifact_host, artifact_port),
             coap_port=coap_port,
             advertise=advertise,
+            artifact_url=artifact_url,
             node=node,
         )
         if rollouts
@@ -245,6 +255,7 @@ def _rollout_service(
     http: tuple[str, int],
     coap_port: int,
     advertise: str,
+    artifact_url: str,
     node: str,
 ) -> RolloutService:
     """The artifact server and rollout orchestrator's settings, with the ingest's broker and
@@ -260,6 +271,7 @@ def _rollout_service(
         http_port=http[1],
         coap_port=coap_port,
         advertise=advertise,
+        artifact_url=artifact_url,
         username=config.username,
         password=config.password,
         tls_ca=config.tls_ca,

@@ -7,6 +7,7 @@ Real PostgreSQL (a private schema per test), real SQLite files, real Mosquitto a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -21,10 +22,14 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from fleet.artifacts import ArtifactServer, ArtifactStats, publish
 from fleet.cli import app
-from fleet.errors import LeadershipLost, NodesRefused
+from fleet.errors import LeadershipLost, NodesRefused, RolloutError
 from fleet.leader import GONE_AFTER_S, NodeBeat, PgLead, check_alone, lead_for
+from fleet.rollout.service import check_artifact_url
 from fleet.store import OperatorStore, open_store
+from ota.errors import FetchError
+from ota.fetch import fetch
 from tests.support.fleet import REPO, wait_until
 from tests.support.mosquitto import Mosquitto, mosquitto
 from tests.support.pg import pg_schema_url
@@ -212,3 +217,53 @@ def test_a_second_fleet_serve_on_sqlite_is_refused_in_one_line(tmp_path: Path) -
             first.send_signal(signal.SIGTERM)
             first.communicate(timeout=60)
         assert first.returncode == 0
+
+
+def test_every_node_serves_a_bundle_another_node_published(
+    pg_store: tuple[str, OperatorStore], tmp_path: Path
+) -> None:
+    """Node A published a bundle (``fleet rollout create`` keeps it in the store too); node
+    B, whose artifact directory never saw it, serves it over HTTP and CoAP by fetching it
+    from the store once. Bytes in the store that do not hash to their name are not served."""
+    _, st = pg_store
+    data = os.urandom(300_000)
+    (tmp_path / "bundle.efb").write_bytes(data)
+    sha = publish(tmp_path / "node-a", tmp_path / "bundle.efb")
+    st.put_bundle(sha, data, 1 * S)
+    forged = "f" * 64
+    st.put_bundle(forged, b"not what its name says", 2 * S)
+    (tmp_path / "node-b").mkdir()
+
+    async def main() -> tuple[bytes, bytes, ArtifactStats]:
+        async with ArtifactServer(tmp_path / "node-b", fill=st.bundle) as srv:
+            await fetch(srv.http_url(sha), tmp_path / "http.efb", length=len(data))
+            await fetch(srv.coap_url(sha), tmp_path / "coap.efb", length=len(data))
+            for url in (srv.http_url(forged), srv.coap_url(forged), srv.http_url("e" * 64)):
+                with pytest.raises(FetchError):
+                    await fetch(url, tmp_path / "no.efb", length=22, attempts=1)
+            return (
+                (tmp_path / "http.efb").read_bytes(),
+                (tmp_path / "coap.efb").read_bytes(),
+                srv.stats,
+            )
+
+    got_http, got_coap, stats = asyncio.run(asyncio.wait_for(main(), 60))
+    assert got_http == data
+    assert got_coap == data
+    assert (tmp_path / "node-b" / f"{sha}.efb").read_bytes() == data  # cached: fetched once
+    assert stats.filled == 1
+    assert stats.fill_errors == 2  # the forged one, over HTTP and over CoAP
+    assert sorted(p.name for p in (tmp_path / "node-b").iterdir()) == [f"{sha}.efb"]
+
+
+def test_the_artifact_url_must_be_a_base_url() -> None:
+    assert (
+        check_artifact_url("https://bundles.plant:8700/edge") == "https://bundles.plant:8700/edge"
+    )
+    for bad, words in (
+        ("ftp://x", "expected http"),
+        ("https://", "expected http"),
+        ("http://lb/?a=1", "query or fragment"),
+    ):
+        with pytest.raises(RolloutError, match=words):
+            check_artifact_url(bad)

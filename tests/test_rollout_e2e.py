@@ -3,6 +3,7 @@ SimAgent devices (the agent's own uplink, updater and reasoning; simulated windo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 
 from fleet.cli import app
 from fleet.rollout.orchestrator import request
+from fleet.store import open_store
 from models import load_model
 from ota.build import model_bundle_payloads
 from ota.updater import Updater
@@ -172,6 +174,8 @@ def test_rollout_cli_create_status_list_pause_resume(tmp_path: Path, broker: Mos
         assert json.loads(res.stdout) == []
         after = sorted(p.name for p in f.artifacts.iterdir()) if f.artifacts.is_dir() else []
         assert after == published
+        sha = hashlib.sha256(bundle.read_bytes()).hexdigest()
+        assert _stored_bundle(f.store_url, sha) is None
         res = runner.invoke(app, [*create, "--waves", "50%,100%", "--json", *base])
         assert res.exit_code == 0, res.output
         doc = json.loads(res.stdout)
@@ -180,6 +184,8 @@ def test_rollout_cli_create_status_list_pause_resume(tmp_path: Path, broker: Mos
         assert doc["state"] == "running"
         assert [w["devices"] for w in doc["waves"]] == [3, 3]
         assert f.rollout(rid).waves == tuple(tuple(w) for w in preview["plan"])
+        # Kept in the store too: every fleet serve node can serve it.
+        assert _stored_bundle(f.store_url, sha) == bundle.read_bytes()
         res = runner.invoke(app, ["rollout", "list", "--json", *base])
         assert [r["id"] for r in json.loads(res.stdout)] == [rid]
         res = runner.invoke(app, ["rollout", "pause", rid, *base])
@@ -200,6 +206,14 @@ def test_rollout_cli_create_status_list_pause_resume(tmp_path: Path, broker: Mos
         res = runner.invoke(app, ["rollout", "status", rid, *base])
         assert res.exit_code == 0
         assert "completed" in res.stdout
+
+
+def _stored_bundle(url: str, sha: str) -> bytes | None:
+    store = open_store(url)
+    try:
+        return store.bundle(sha)
+    finally:
+        store.close()
 
 
 def test_a_slow_model_halts_at_the_first_wave_and_those_devices_roll_back(

@@ -208,10 +208,29 @@ def create_rollout(
     )
     if dry_run:
         return r
+    _keep_in_store(store, artifacts, sha, now)
     doc = json.dumps({**r.to_json(), "transport": transport})
     if not store.insert_rollout(r.id, r.state, doc, now):
         raise RolloutError(f"rollout id {r.id} was taken meanwhile (two creates at once); retry")
     return r
+
+
+def _keep_in_store(store: Store, artifacts: Path, sha: str, now_ns: int) -> None:
+    """The published bundle into the store too, for every node to serve (see
+    :mod:`fleet.artifacts`); one over ``STORED_BUNDLE_MAX_BYTES`` stays in this node's
+    directory only, and the log says so."""
+    from fleet.artifacts import STORED_BUNDLE_MAX_BYTES, bundle_path  # noqa: PLC0415
+
+    path = bundle_path(artifacts, sha)
+    size = path.stat().st_size
+    if size > STORED_BUNDLE_MAX_BYTES:
+        log.warning(
+            "bundle %s is %d bytes, over the %d the store keeps: only the artifact directory "
+            "%s holds it; other fleet serve nodes need that directory shared to serve it",
+            sha, size, STORED_BUNDLE_MAX_BYTES, artifacts,
+        )  # fmt: skip
+        return
+    store.put_bundle(sha, path.read_bytes(), now_ns)
 
 
 def _sha256_of(path: Path) -> str:

@@ -12,12 +12,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.reasoncodes import ReasonCode
 
-from fleet.errors import FleetError, LeadershipLost
+from fleet.errors import FleetError, LeadershipLost, RolloutError
 from fleet.leader import Lead, default_node, lead_for
 from fleet.rollout.orchestrator import Orchestrator
 
@@ -95,6 +96,9 @@ class RolloutService:
     coap_port: int = 5683
     #: The host name devices use to reach the artifact server (default: http_host).
     advertise: str = ""
+    #: The base URL of HTTP(S) offers (a load balancer in front of every node); default
+    #: ``http://{advertise}:{http_port}``. Checked by :func:`check_artifact_url`.
+    artifact_url: str = ""
     tick_s: float = 0.5
     username: str | None = None
     password: str | None = None
@@ -106,6 +110,19 @@ class RolloutService:
 
     def __repr__(self) -> str:  # the password must never reach a log line
         return f"RolloutService(store={self.store_url!r}, artifacts={str(self.artifacts)!r})"
+
+
+def check_artifact_url(url: str) -> str:
+    """``url`` if it can be the base of an offer's URL: ``http(s)://host[:port][/path]``,
+    no query or fragment (else RolloutError saying what is wrong)."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise RolloutError(f"--artifact-url {url!r}: expected http(s)://HOST[:PORT][/PATH]")
+    if parts.query or parts.fragment:
+        raise RolloutError(f"--artifact-url {url!r}: a query or fragment cannot be a base")
+    return url
 
 
 def serve_rollouts(cfg: RolloutService, stop: threading.Event) -> None:
@@ -140,12 +157,14 @@ async def run_rollouts(cfg: RolloutService, stop: threading.Event) -> None:
             http_port=cfg.http_port,
             coap_host=cfg.http_host,
             coap_port=cfg.coap_port,
+            fill=store.bundle,  # a bundle another node published
         ) as srv:
+            base = cfg.artifact_url.rstrip("/") or f"http://{host}:{srv.http_port}"
 
             def url_for(sha: str, transport: str) -> str:
                 if transport == "coap":
                     return f"coap://{host}:{srv.coap_port}/bundles/{sha}"
-                return f"http://{host}:{srv.http_port}/v1/bundles/{sha}"
+                return f"{base}/v1/bundles/{sha}"
 
             orch = Orchestrator(store, publish=mq.publish, url_for=url_for)
             log.info(

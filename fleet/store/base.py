@@ -269,6 +269,15 @@ class Store(Protocol):
         """``device -> (group, tier)`` for every registered device."""
         ...
 
+    def put_bundle(self, sha256: str, data: bytes, now_ns: int) -> None:
+        """Keep a published bundle's bytes (once per sha256; the caller checked the hash),
+        so every ``fleet serve`` node on this store can serve it."""
+        ...
+
+    def bundle(self, sha256: str) -> bytes | None:
+        """A published bundle's bytes as kept by :meth:`put_bundle`, or None."""
+        ...
+
     def insert_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> bool:
         """Create a rollout; False (nothing written) when the id exists already."""
         ...

@@ -355,6 +355,25 @@ CREATE TABLE fleet_leader (
 _V10_SQLITE = "ALTER TABLE boots ADD COLUMN held INTEGER"
 _V10_POSTGRES = "ALTER TABLE boots ADD COLUMN held BIGINT"
 
+# v11: published bundles, so that every fleet serve node can serve every bundle (each
+# caches them in its artifact directory; see fleet.artifacts).
+_V11_SQLITE = """
+CREATE TABLE bundles (
+    sha256 TEXT PRIMARY KEY,
+    size INTEGER NOT NULL,
+    created_ns INTEGER NOT NULL,
+    data BLOB NOT NULL
+)
+"""
+_V11_POSTGRES = """
+CREATE TABLE bundles (
+    sha256 TEXT PRIMARY KEY,
+    size BIGINT NOT NULL,
+    created_ns BIGINT NOT NULL,
+    data BYTEA NOT NULL
+)
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "registry, boots, messages, quarantine", _V1_SQLITE, _V1_POSTGRES),
     Migration(2, "rollouts, rollout requests, device labels", _V2_SQLITE, _V2_POSTGRES),
@@ -365,6 +384,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(8, "per-signal telemetry by minute", _V8_SQLITE, _V8_POSTGRES),
     Migration(9, "fleet serve nodes and the rollout leader", _V9, _V9),
     Migration(10, "the seq each device boot still holds", _V10_SQLITE, _V10_POSTGRES),
+    Migration(11, "published bundles, for every node to serve", _V11_SQLITE, _V11_POSTGRES),
 )
 
 #: The schema version this code writes and reads.

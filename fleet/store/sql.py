@@ -280,6 +280,27 @@ class SqlStore(AccessSql, ConsoleSql):
 
         return self._run("labels", go)
 
+    def put_bundle(self, sha256: str, data: bytes, now_ns: int) -> None:
+        sql = self._sql(
+            "INSERT INTO bundles (sha256, size, created_ns, data) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (sha256) DO NOTHING"
+        )
+
+        def go(db: Connection) -> None:
+            with self._txn(db):
+                db.execute(sql, (sha256, len(data), now_ns, data))
+
+        self._run("put_bundle", go)
+
+    def bundle(self, sha256: str) -> bytes | None:
+        sql = self._sql("SELECT data FROM bundles WHERE sha256 = ?")
+
+        def go(db: Connection) -> bytes | None:
+            row = db.execute(sql, (sha256,)).fetchone()
+            return None if row is None else bytes(row[0])
+
+        return self._run("bundle", go)
+
     _INSERT_ROLLOUT = (
         "INSERT INTO rollouts (id, state, created_ns, updated_ns, doc) VALUES (?, ?, ?, ?, ?) "
     )

@@ -61,6 +61,7 @@ class MemoryStore:
     def __init__(self) -> None:
         self.url = "memory://"
         self._messages: dict[tuple[str, str, int], Row] = {}
+        self._bundles: dict[str, bytes] = {}
         self._labels: dict[tuple[str, str, int], str | None] = {}
         self._devices: dict[str, _Device] = {}
         self._boots: dict[tuple[str, str], _Boot] = {}
@@ -288,6 +289,12 @@ class MemoryStore:
 
     def labels(self) -> dict[str, tuple[str, str]]:
         return {k: (d.group, d.tier) for k, d in self._devices.items()}
+
+    def put_bundle(self, sha256: str, data: bytes, now_ns: int) -> None:
+        self._bundles.setdefault(sha256, data)
+
+    def bundle(self, sha256: str) -> bytes | None:
+        return self._bundles.get(sha256)
 
     def insert_rollout(self, rollout_id: str, state: str, doc: str, now_ns: int) -> bool:
         if rollout_id in self._rollouts:
