@@ -247,7 +247,8 @@ def load_config(path: str | Path) -> AgentConfig:
 def parse_config(
     text: str, *, source: str = "<config>", base_dir: Path | None = None
 ) -> AgentConfig:
-    """Validate TOML ``text``; relative paths resolve against ``base_dir`` (default: cwd)."""
+    """Validate TOML ``text``; relative paths resolve against ``base_dir`` (default: cwd).
+    Raises ``ConfigError`` naming the key and what was wrong."""
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -82,6 +82,7 @@ def publish(directory: Path, source: Path) -> str:
     """Copy ``source`` into ``directory`` as ``<sha256>.efb``, durably; return the sha256.
 
     Blocking (hashing and copying a file): call it from a thread in async code.
+    Raises ``ArtifactError``.
     """
     try:
         with open(source, "rb") as src:

@@ -51,7 +51,8 @@ CONFIG_PAYLOAD = "agent.toml"
 
 def source_payloads(kind: str, source: Path) -> list[tuple[str, bytes]]:
     """The payloads of a ``kind`` bundle from its source: a model folder (``model.tflite``
-    and ``model.json``), a config file (``agent.toml``, TOML-checked) or an agent wheel."""
+    and ``model.json``), a config file (``agent.toml``, TOML-checked) or an agent wheel.
+    Raises ``BundleError``."""
     if kind not in KINDS:
         raise BundleError(f"kind {kind!r}: expected one of {', '.join(KINDS)}")
     if not source.exists():
@@ -257,7 +258,8 @@ def _manifest_bytes(signed: Mapping[str, Any], sigs: Sequence[Mapping[str, Any]]
 
 def write_bundle_file(out: Path, manifest: bytes, members: Sequence[tuple[str, bytes]]) -> None:
     """Write the bundle durably: a temp file in the same folder, fsync, rename, fsync the
-    folder. A crash leaves the old file (``sign`` rewrites in place) or the whole new one."""
+    folder. A crash leaves the old file (``sign`` rewrites in place) or the whole new one.
+    Raises ``BundleError`` (nothing left behind)."""
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         write_bundle(tmp, manifest, list(members))  # fsyncs the file
@@ -314,6 +316,7 @@ def plan_bundle(
 
     With ``base`` (payload name -> the bytes a device already has), a payload becomes a
     bsdiff4 patch against the base of the same name when the patch is smaller.
+    Raises ``BundleError``.
     """
     entries: list[dict[str, Any]] = []
     members: list[tuple[str, bytes]] = []
@@ -402,7 +405,8 @@ def build_bundle(
     base: Path | None = None,
     signers: Sequence[ec.EllipticCurvePrivateKey] = (),
 ) -> Built:
-    """Plan and write the bundle; unsigned (``signatures: []``) without ``signers``."""
+    """Plan and write the bundle; unsigned (``signatures: []``) without ``signers``.
+    Raises ``BundleError`` (or ``FleetKeyError`` from the signing keys)."""
     base_payloads = None
     if base is not None:
         old = read_bundle(base)

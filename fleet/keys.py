@@ -111,7 +111,8 @@ def _move(src: Path, dest_dir: Path) -> Path:
 
 
 def read_passphrase(file: Path | None, environ: Mapping[str, str]) -> bytes | None:
-    """The passphrase from ``file`` (one line) or else from :data:`ENV_PASSPHRASE`."""
+    """The passphrase from ``file`` (one line) or else from :data:`ENV_PASSPHRASE`.
+    Raises ``FleetKeyError``."""
     if file is not None:
         try:
             # One trailing newline is the editor's, not the passphrase's.
@@ -142,7 +143,8 @@ def is_encrypted(path: Path) -> bool:
 
 
 def load_key(path: Path, passphrase: bytes | None) -> ec.EllipticCurvePrivateKey:
-    """The P-256 private key at ``path``; the passphrase is used only if it is encrypted."""
+    """The P-256 private key at ``path``; the passphrase is used only if it is encrypted.
+    Raises ``FleetKeyError``."""
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -173,7 +175,7 @@ def _write_key(
 
 
 def read_root(folder: Path, now: datetime) -> ota_trust.TrustRoot:
-    """``folder/root.json``, checked by the device's own loader."""
+    """``folder/root.json``, checked by the device's own loader. Raises ``FleetKeyError``."""
     path = folder / ROOT_JSON
     try:
         data = path.read_bytes()
@@ -188,6 +190,7 @@ def read_root(folder: Path, now: datetime) -> ota_trust.TrustRoot:
 
 
 def check_threshold(role: str, threshold: int, count: int) -> None:
+    """A role of ``count`` keys can have ``threshold``; else ``FleetKeyError``."""
     if count < 1:
         raise FleetKeyError(f"the {role} role would have no keys")
     if not 1 <= threshold <= count:
@@ -236,7 +239,8 @@ def init_keys(
     passphrase: bytes | None = None,
     force: bool = False,
 ) -> KeySet:
-    """Generate root and bundle keys and ``root.json`` version 1, signed by the root keys."""
+    """Generate root and bundle keys and ``root.json`` version 1, signed by the root keys.
+    Raises ``FleetKeyError``."""
     check_threshold("root", root_threshold, root_keys)
     check_threshold("bundles", bundle_threshold, bundle_keys)
     if root_keys + bundle_keys > ota_trust.MAX_KEYS:
@@ -300,7 +304,8 @@ class Rotation:
 
 
 def resolve_keyid(prefix: str, keyids: Sequence[str]) -> str:
-    """The one key id in ``keyids`` that starts with ``prefix`` (at least 8 hex digits)."""
+    """The one key id in ``keyids`` that starts with ``prefix`` (at least 8 hex digits).
+    Raises ``FleetKeyError`` (none or several match)."""
     p = prefix.strip().lower()
     if len(p) < MIN_KEYID_PREFIX:
         raise FleetKeyError(
@@ -349,6 +354,7 @@ def rotate_keys(
     threshold, else nothing is written) and by the new root keys, and it is accepted by
     :func:`ota.trust.rotate` before a byte is written: what the fleet publishes is what a
     device will take.
+    Raises ``FleetKeyError``.
     """
     if expires_days < 1:
         raise FleetKeyError(f"--expires-days must be at least 1; got {expires_days}")
@@ -437,7 +443,8 @@ def export_root(folder: Path, now: datetime) -> bytes:
 def bundle_signers(
     folder: Path, passphrase: bytes | None, now: datetime
 ) -> tuple[ota_trust.TrustRoot, list[ec.EllipticCurvePrivateKey]]:
-    """The root and every bundle key of its ``bundles`` role present and valid in ``folder``."""
+    """The root and every bundle key of its ``bundles`` role present and valid in ``folder``.
+    Raises ``FleetKeyError``."""
     root = read_root(folder, now)
     role = root.roles["bundles"]
     ids = [k for k in _role_order(root, "bundles") if root.keys[k].valid_at(now)]

@@ -48,7 +48,8 @@ class Lead(Protocol):
     """The rollout lead as one node sees it."""
 
     def try_take(self, now_ns: int) -> int | None:
-        """Take the lead if nobody holds it: the new epoch, or None."""
+        """Take the lead if nobody holds it: the new epoch, or None. Raises
+        ``FleetStoreError`` when the store cannot be asked."""
         ...
 
     def holds(self) -> bool:

@@ -201,7 +201,7 @@ def _fingerprint(cert: x509.Certificate) -> str:
 
 
 def cert_kind(cert: x509.Certificate, path: Path) -> Kind:
-    """The kind ``issue`` stamped into the subject's OU."""
+    """The kind ``issue`` stamped into the subject's OU. Raises ``PkiError``."""
     ous = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
     kind = str(ous[0].value) if ous else ""
     for k in KINDS:
@@ -211,7 +211,8 @@ def cert_kind(cert: x509.Certificate, path: Path) -> Kind:
 
 
 def cert_site(cert: x509.Certificate, path: Path) -> str | None:
-    """The site ``issue`` bound a device certificate to, or None if it names none."""
+    """The site ``issue`` bound a device certificate to, or None if it names none.
+    Raises ``PkiError``."""
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
@@ -234,6 +235,7 @@ def cert_site(cert: x509.Certificate, path: Path) -> str | None:
 
 
 def cert_name(cert: x509.Certificate, path: Path) -> str:
+    """The certificate's Common Name; ``PkiError`` (naming ``path``) when it has none."""
     cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     if not cns:
         raise PkiError(f"{path}: certificate has no Common Name")
@@ -521,7 +523,7 @@ def _leaf(
 
 
 def list_issued(ca_dir: Path) -> list[IssuedCert]:
-    """Every certificate in the CA's register, sorted by name."""
+    """Every certificate in the CA's register, sorted by name. Raises ``PkiError``."""
     if not (ca_dir / CA_CERT).exists():
         raise PkiError(f"{ca_dir}: no CA here ({CA_CERT}); run `fleet pki init`")
     revoked = revoked_serials(ca_dir)
@@ -662,6 +664,7 @@ def current_crl(
     Signed again first when it is missing (a CA made before revocation existed, or a lost
     file) or lacks a serial of the journal: every journaled serial stays revoked, and the
     list is never emptier than the journal. Signing needs the CA key (``passphrase``).
+    Raises ``PkiError``.
     """
     with _locked(ca_dir):
         crl = read_crl(ca_dir)

@@ -149,7 +149,7 @@ class ModelManifest:
 
     @classmethod
     def load(cls, path: Path) -> ModelManifest:
-        """Read and validate ``path`` (a ``manifest.json``)."""
+        """Read and validate ``path`` (a ``manifest.json``). Raises ``ModelRejected``."""
         raw = _read_capped(path, MAX_MANIFEST_BYTES, what="manifest")
         try:
             data = json.loads(raw)
@@ -467,6 +467,7 @@ class LoadedModel:
 
     ``predict(values)`` is ``dequantize(invoke_int8(quantize(features(values))))`` done on
     buffers allocated once; it returns the label probabilities in ``manifest.labels`` order.
+    Making one raises ``BackendUnavailable`` when the asked-for backend cannot run here.
     """
 
     __slots__ = (
@@ -629,6 +630,7 @@ class LoadedModel:
 
         Computed in float32 exactly as :meth:`predict` does (round half to even, saturating
         at -128 and 127).
+        Raises ``ValueError`` for features of the wrong shape.
         """
         f = np.asarray(features, dtype=np.float32)
         if f.size != self._q.size:
@@ -753,6 +755,7 @@ class LoadedModel:
         "does the score fall without this signal?", this asks "does this signal alone
         carry it?": the question that still has an answer when the cause is joint (several
         signals stuck at once, where replacing any one of them leaves a stuck window).
+        Raises ``ValueError`` when no occlusion of the last predicted window was run.
         """
         if not self._occluded:
             raise ValueError("keep_one_in() needs an occlusion of the last predicted window")
@@ -805,7 +808,8 @@ class LevelOcclusion:
     ``noise`` is a fixed ``(window, n_signals)`` pattern of normal step noise; ``level`` a
     per-signal value. Both methods return what :meth:`LoadedModel.predict_occluded` returns
     and must be called right after :meth:`LoadedModel.predict` of ``values`` (they reuse its
-    int8 input; another array raises ``ValueError``).
+    int8 input; another array raises ``ValueError``, as do ``noise`` and ``base`` of shapes
+    other than the model's window and signals).
 
     * :meth:`at_base`: the level is ``base``, fixed at construction. The reference's int8
       features are computed once, exactly: rows equal ``predict_occluded(values, base +

@@ -171,7 +171,8 @@ def _check_policy(m: Signed, policy: Policy, floors: Mapping[str, int], now: dat
 def read_manifest(
     reader: BundleReader, root: TrustRoot, now: datetime, *, max_bytes: int
 ) -> tuple[Signed, str]:
-    """Steps 2-4 up to the policy: the manifest member, its signatures, its schema."""
+    """Steps 2-4 up to the policy: the manifest member, its signatures, its schema.
+    Raises ``MalformedBundle`` or ``SignatureInvalid``."""
     first = reader.next_member()
     if first is None:
         raise MalformedBundle(f"{NOT_A_BUNDLE}: an empty tar (no member)")
@@ -210,7 +211,9 @@ def verify_bundle(  # noqa: PLR0915 - the checks in the order the security argum
 
     ``floors`` maps a kind to its committed anti-rollback counter. ``keep_source`` copies
     the file into the store instead of moving it (a user's file). Runs blocking I/O and
-    hashing: call it in a thread from the event loop.
+    hashing: call it in a thread from the event loop. Raises ``BundleRejected``
+    (``MalformedBundle``, ``PayloadMismatch``, ``ModelContractUnmet``, ...) for the bundle's
+    faults, ``TrustError`` for the device's root, ``StorageError`` for its disk.
     """
     if root is None:
         raise TrustError("no trust root configured: every bundle is refused")

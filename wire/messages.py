@@ -370,7 +370,8 @@ def encode(msg: Message) -> bytes:
 
 
 def kind_of(msg: Message) -> str:
-    """The topic kind a message is published under."""
+    """The topic kind a message is published under.
+    Raises ``TypeError`` for an object that is no message."""
     for kind, cls in KINDS.items():
         if type(msg) is cls:
             return kind

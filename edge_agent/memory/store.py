@@ -136,6 +136,7 @@ class StoreLock:
 
     The kernel drops it when the process dies (kill -9 included), so a stale lock file
     never blocks a restart. The file holds the owner's pid, for the error message.
+    :meth:`acquire` raises ``StoreLocked`` naming that pid when another process holds it.
     """
 
     def __init__(self, db: Path) -> None:
@@ -220,7 +221,8 @@ class MemoryStore:
 
     @classmethod
     def open_readonly(cls, path: Path, *, chunk_ns: int = 3600 * 10**9) -> MemoryStore:
-        """For the CLI and readers: never creates, never writes. Checks the schema version."""
+        """For the CLI and readers: never creates, never writes. Checks the schema version.
+        Raises ``MemoryStoreError`` (``SchemaVersionError`` for a schema this code cannot read)."""
         conn = connect(path, readonly=True)
         try:
             version = int(conn.execute("PRAGMA user_version").fetchone()[0])
@@ -248,7 +250,8 @@ class MemoryStore:
         return dict(self._ids)
 
     def ensure_signals(self, names: Sequence[str]) -> dict[str, int]:
-        """Ids of ``names``, registering the new ones (writer connection only)."""
+        """Ids of ``names``, registering the new ones (writer connection only).
+        Raises ``sqlite3.Error`` (the writer counts and recovers)."""
         known = self.signal_ids()
         missing = [n for n in names if n not in known]
         if missing:
@@ -677,7 +680,8 @@ class StoreWriter:
             self._conn = None
 
     def pause(self, timeout_s: float = 30.0) -> None:
-        """Commit what is pending and close the connection (for an online restore)."""
+        """Commit what is pending and close the connection (for an online restore).
+        Raises ``MemoryStoreError``."""
         with self._cond:
             self._pause = True
             self._flush += 1

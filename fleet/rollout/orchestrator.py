@@ -102,7 +102,8 @@ class BundleInfo:
 
 
 def read_bundle(path: Path, root_json: Path | None = None) -> BundleInfo:
-    """The manifest facts a rollout needs; with ``root_json``, its signatures checked too."""
+    """The manifest facts a rollout needs; with ``root_json``, its signatures checked too.
+    Raises ``RolloutError``."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -165,6 +166,7 @@ def create_rollout(
 
     ``dry_run``: every check and the plan, under the id it would get, but nothing is
     published or stored (the preview an operator reads before a fleet-wide change).
+    Raises ``RolloutError``.
     """
     from fleet.artifacts import publish  # noqa: PLC0415 - aiohttp/aiocoap on use
 
@@ -248,7 +250,8 @@ def load(doc: str) -> tuple[m.Rollout, str]:
 
 
 def request(store: Store, rollout_id: str, action: str) -> None:
-    """Ask the orchestrator to ``pause``, ``resume`` or ``abort`` a rollout."""
+    """Ask the orchestrator to ``pause``, ``resume`` or ``abort`` a rollout.
+    Raises ``RolloutError`` (unknown rollout, or not in a state that takes it)."""
     if action not in ("pause", "resume", "abort"):
         raise RolloutError(f"unknown action {action!r}")
     known = {rid: state for rid, state, _ in store.rollouts()}

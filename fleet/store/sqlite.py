@@ -72,7 +72,8 @@ _INSERT_MESSAGE = (
 
 
 class SqliteStore(SqlStore):
-    """:class:`fleet.store.base.Store` on SQLite. Use one per worker thread or process."""
+    """:class:`fleet.store.base.Store` on SQLite. Use one per worker thread or process.
+    Making one raises ``FleetStoreError`` for a URL it cannot use or a file it cannot open."""
 
     def __init__(self, url: str) -> None:
         self.url = url
