@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +21,7 @@ from typing import Any
 from fleet import access
 from fleet.access import AuditEntry, NewToken, Principal, Role, TokenInfo
 from fleet.errors import AccessError, FleetError, RolloutError
+from fleet.retention import apply_retention, describe
 from fleet.rollout import machine as m
 from fleet.rollout.orchestrator import create_rollout, request
 from fleet.rollout.plan import TIERS
@@ -137,6 +138,17 @@ class Changes:
             r = go()
             detail.update({"rollout": r.id, "bundle_id": r.bundle_id, "version": r.version})
         return r
+
+    # -- history -------------------------------------------------------------------------
+
+    def expire_history(self, keep: Mapping[str, int]) -> dict[str, int]:
+        """Delete the history older than ``keep`` says (:mod:`fleet.retention`); rows
+        deleted per kind. Needs the admin role: what goes cannot come back."""
+        detail: dict[str, Any] = {"keep_s": dict(keep)}
+        with self._audited("history.expire", describe(keep), detail, "admin"):
+            gone = apply_retention(self._store, keep, self._clock())
+            detail["deleted"] = gone
+        return gone
 
     # -- device labels -------------------------------------------------------------------
 

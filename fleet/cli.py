@@ -39,6 +39,7 @@ from fleet.cli_common import (
     out,
 )
 from fleet.errors import FleetError
+from fleet.history_cli import history_app
 from fleet.keys_cli import keys_app
 from fleet.nodes_cli import nodes_app
 from fleet.pki_cli import broker_config_cmd, pki_app
@@ -429,6 +430,7 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(bundle_app, name="bundle")
 app.add_typer(sessions_app, name="sessions")
 app.add_typer(nodes_app, name="nodes")
+app.add_typer(history_app, name="history")
 
 
 def main() -> None:

@@ -12,11 +12,14 @@
      ├── IngestError             the ingest service cannot run (bad broker, bad options)
      ├── MessageRefused          one uplink message quarantined (bad topic, schema, device)
      ├── RolloutError            a rollout cannot be created or changed (bundle, plan, request)
-     │    └── PlanError          (also a ValueError) a selector, wave list or threshold that
-     │                           cannot be planned; says what and where
+     │    ├── PlanError          (also a ValueError) a selector, wave list or threshold that
+     │    │                      cannot be planned; says what and where
+     │    └── LeadershipLost     this node no longer leads: a save under its epoch refused
+     ├── NodesRefused            the store cannot take another fleet serve node
      ├── ArtifactError           the artifact server cannot bind, read its folder or publish
      │    └── ArtifactPortInUse  its HTTP or CoAP port is taken by another process
-     └── AccessError             a user, token, password, role or session was refused
+     ├── AccessError             a user, token, password, role or session was refused
+     └── RetentionError          a --retention spec that cannot be applied; says which part
 """
 
 from __future__ import annotations
@@ -128,3 +131,7 @@ class PlanError(RolloutError, ValueError):
 
 class AccessError(FleetError):
     """A user, token, password, role or session was refused (fleet.access, the API)."""
+
+
+class RetentionError(FleetError):
+    """A ``--retention`` spec that cannot be applied; says which part and why."""

@@ -24,9 +24,10 @@ from fleet.cli_common import (
     fail,
     store_url,
 )
-from fleet.errors import FleetError, IngestError, RolloutError
+from fleet.errors import FleetError, IngestError, RetentionError, RolloutError
 from fleet.leader import NodeBeat, check_alone, default_node
 from fleet.metrics import FleetMetrics, store_state
+from fleet.retention import apply_retention, describe, parse_retention
 from fleet.rollout.service import check_artifact_url
 from fleet.services import ApiService, build_api, service_failure, start_services
 from fleet.store import OperatorStore, open_store
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _fail = fail
+#: How often ``--retention`` is applied.
+RETENTION_EVERY_S = 600
 
 
 def _print_json(value: Any) -> None:
@@ -149,6 +152,14 @@ def serve(
             "host name); on PostgreSQL the nodes elect one to run the rollouts.",
         ),
     ] = "",
+    retention: Annotated[
+        str,
+        typer.Option(
+            help="Delete history older than this every 10 min: KIND=AGE pairs, e.g. "
+            "telemetry=30d,decisions=180d (kinds: telemetry, decisions, ota, quarantine, "
+            "minutes). Default: keep everything.",
+        ),
+    ] = "",
     as_json: JsonOpt = False,
 ) -> None:
     """Ingest devices' MQTT uplink into the store until stopped (SIGTERM / Ctrl-C); with
@@ -179,7 +190,8 @@ def serve(
             tls_key=str(tls_key) if tls_key else None,
         )
         check_artifact_url(artifact_url)
-    except (IngestError, RolloutError) as exc:
+        keep = parse_retention(retention)
+    except (IngestError, RolloutError, RetentionError) as exc:
         _fail(str(exc), EXIT_USAGE)
     node = node_id or default_node()
     try:
@@ -203,6 +215,11 @@ def serve(
         )
     except FleetError as exc:
         _fail(str(exc), EXIT_FAILURE)
+    log.info("%s", describe(keep))
+    if keep:
+        threading.Thread(
+            target=_expire_loop, args=(config.store_url, keep, stop), name="retention", daemon=True
+        ).start()
     service = start_services(
         stop,
         service_error,
@@ -279,6 +296,28 @@ def _rollout_service(
         tls_key=config.tls_key,
         node=node,
     )
+
+
+def _expire_loop(url: str, keep: dict[str, int], stop: threading.Event) -> None:
+    """Apply the retention at start and every ``RETENTION_EVERY_S`` until ``stop``, on a
+    store handle of its own; log what went. A store failure is logged and tried again
+    next time."""
+    store: OperatorStore | None = None
+    try:
+        while not stop.is_set():
+            try:
+                store = store or open_store(url)
+                gone = apply_retention(store, keep, time.time_ns(), stop=stop)
+            except FleetError as exc:
+                log.error("retention: %s (tried again in %d s)", exc, RETENTION_EVERY_S)
+            else:
+                if any(gone.values()):
+                    done = ", ".join(f"{n} {k}" for k, n in gone.items())
+                    log.info("retention: deleted %s", done)
+            stop.wait(RETENTION_EVERY_S)
+    finally:
+        if store is not None:
+            store.close()
 
 
 def _join_nodes(url: str, node: str) -> tuple[OperatorStore, NodeBeat]:

@@ -358,3 +358,51 @@ def test_version() -> None:
     result = runner.invoke(app, ["version"])
     assert result.exit_code == 0
     assert result.stdout.strip()
+
+
+def _counts(url: str) -> dict[str, int]:
+    st = open_store(url)
+    try:
+        return st.counts()
+    finally:
+        st.close()
+
+
+def test_history_expire_cuts_by_kind_audits_and_refuses_a_bad_spec(url: str) -> None:
+    st = open_store(url)
+    try:
+        day_old = time.time_ns() - 25 * 3600 * 10**9
+        boot = "f" * 32
+        old = [telemetry("gw-a", boot, s, day_old + s) for s in range(3)]
+        st.ingest(
+            [Row("gw-a", SITE, "telemetry", boot, m.seq, m.t_ns, encode(m), day_old) for m in old]
+        )
+    finally:
+        st.close()
+    before = _counts(url)
+    # The fixture's rows are minutes old, these three a day old.
+    kept = run_json("history", "expire", "--retention", "telemetry=2d", "--store", url)
+    assert kept == {"deleted": {"telemetry": 0}, "keep_s": {"telemetry": 2 * 86400}}
+    res = runner.invoke(
+        app, ["history", "expire", "--retention", "telemetry=1d,decisions=30d", "--store", url]
+    )
+    assert res.exit_code == 0, res.output
+    assert "telemetry: 3 deleted" in res.stdout
+    assert "decision: 0 deleted" in res.stdout
+    after = _counts(url)
+    assert after["telemetry"] == before["telemetry"] - 3
+    assert after["decision"] == before["decision"]
+    audit = run_json("audit", "list", "--store", url)
+    assert isinstance(audit, list)
+    assert audit[0]["action"] == "history.expire"
+    assert audit[0]["detail"]["deleted"] == {"telemetry": 3, "decision": 0}
+    for spec, words in (
+        ("telemetry=30", "expected whole days or hours"),
+        ("logs=3d", "unknown kind 'logs'"),
+        ("telemetry", "expected KIND=AGE"),
+        ("telemetry=1d,telemetry=2d", "telemetry is given twice"),
+        ("", "names no kind"),
+    ):
+        res = runner.invoke(app, ["history", "expire", "--retention", spec, "--store", url])
+        assert res.exit_code == 2, (spec, res.output)
+        assert words in res.output, (spec, res.output)

@@ -36,6 +36,7 @@ from fleet.ingest import (
     serve,
 )
 from fleet.ingest.config import backoff_s
+from fleet.store import Row
 from tests.support.fleet import (
     REPO,
     SITE,
@@ -550,6 +551,39 @@ def test_serve_stops_with_an_error_when_its_rollout_service_cannot_run(
     assert time.monotonic() - t0 < 30  # not after --duration
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"fleet: --artifact-port: 127.0.0.1:{port} is already in use"), last
+
+
+def test_serve_applies_its_retention_at_start_and_refuses_a_bad_one(
+    tmp_path: Path, broker: Mosquitto
+) -> None:
+    url = sqlite_url(tmp_path / "fleet.db")
+    store = opened(url)
+    boot = boot_id()
+    old, new = time.time_ns() - 3 * 86_400 * 10**9, time.time_ns()
+    rows = [(old + s, s) for s in range(4)] + [(new + s, 4 + s) for s in range(2)]
+    store.ingest([
+        Row("gw-1", SITE, "telemetry", boot, seq, t, encode(telemetry("gw-1", boot, seq, t)), t)
+        for t, seq in rows
+    ])  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    bad = _serve_cmd(url, broker, "--retention", "telemetry=2w", "--duration", "30")
+    done = subprocess.run(
+        bad, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert "age '2w': expected whole days or hours" in done.stderr
+    cmd = _serve_cmd(url, broker, "--retention", "telemetry=1d", "--no-rollouts")
+    cmd += ["--duration", "4"]
+    done = subprocess.run(
+        cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "history kept: telemetry 1 d" in done.stderr
+    assert "retention: deleted 4 telemetry" in done.stderr
+    try:
+        assert stored_seqs(store, "gw-1") == [4, 5]
+    finally:
+        store.close()
 
 
 def test_killed_worker_loses_nothing_after_restart(tmp_path: Path, broker: Mosquitto) -> None:

@@ -742,6 +742,45 @@ def test_an_online_made_before_the_offline_that_followed_does_not_revive_a_devic
     assert info.online
 
 
+def test_retention_deletes_old_history_by_kind_in_batches(backend: Backend) -> None:
+    store = backend.open()
+    try:
+        # One boot: telemetry on even seqs, decisions on odd ones, one second apart.
+        store.ingest([telemetry("gw1", s) if s % 2 == 0 else decision("gw1", s) for s in range(40)])
+        store.quarantine(
+            [Quarantined("t", b"x", "junk", "$", T0 + i * SEC, None) for i in range(5)]
+        )
+        # Telemetry made before T0 + 20 s goes, 4 rows per transaction: 10 rows.
+        assert [store.expire("telemetry", T0 + 20 * SEC, 4) for _ in range(4)] == [4, 4, 2, 0]
+        assert store.counts()["telemetry"] == 10
+        assert store.counts()["decision"] == 20  # another kind: untouched
+        assert store.expire("quarantine", T0 + 3 * SEC, 100) == 3
+        assert store.counts()["quarantined"] == 2
+        assert store.expire("minutes", T0 + 3600 * SEC, 100) == 1  # the rollup of that minute
+        assert backend.sql("SELECT kind, floor_ns FROM history_floors") == [
+            ("telemetry", T0 + 20 * SEC)
+        ]
+        with pytest.raises(FleetStoreError, match="cannot expire 'state'"):
+            store.expire("state", T0, 1)
+    finally:
+        store.close()
+
+
+def test_what_retention_cut_is_no_gap_but_a_later_hole_is(store: Store) -> None:
+    store.ingest([telemetry("gw1", s) if s % 2 == 0 else decision("gw1", s) for s in range(40)])
+    store.ingest([decision("gw1", s) for s in (41, 42)])  # 40 never came
+    store.record_state("gw1", "plant1", state("gw1", "online", seq=43), T0)
+    assert store.gaps() == [Gap("gw1", BOOT_A, 40, 40)]
+    # Telemetry before T0 + 20 s is cut: seqs 0, 2, ..., 18 are gone, and a hole among
+    # them is not a gap; a seq never stored after the cut still is.
+    assert store.expire("telemetry", T0 + 20 * SEC, 100) == 10
+    assert store.gaps() == [Gap("gw1", BOOT_A, 40, 40)]
+    # A boot first heard of before the cut, whose head is missing, is not reported either.
+    store.ingest([telemetry("gw2", s) for s in (0, 1, 2)])
+    store.expire("telemetry", T0 + 2 * SEC, 100)  # an older cut does not lower it
+    assert store.gaps("gw2") == []
+
+
 def _received_at(row: Row, received_ns: int) -> Row:
     return Row(
         row.device, row.site, row.kind, row.boot_id, row.seq, row.t_ns, row.body, received_ns

@@ -338,43 +338,86 @@ def device_info(row: Sequence[Any]) -> DeviceInfo:
     )
 
 
+def expire_sql(kind: str) -> tuple[str, bool]:
+    """The ``?`` DELETE of :meth:`fleet.store.base.Store.expire` for ``kind`` and whether
+    it is a message kind (bind the kind too; its cut is recorded in ``history_floors``)
+    or not (bind the cut and the limit)."""
+    if kind in DATA_KINDS:
+        return (
+            "DELETE FROM messages WHERE (device, boot_id, seq) IN (SELECT device, boot_id, seq "
+            "FROM messages WHERE kind = ? AND t_ns < ? LIMIT ?)",
+            True,
+        )
+    if kind == "quarantine":
+        return (
+            "DELETE FROM quarantine WHERE id IN "
+            "(SELECT id FROM quarantine WHERE received_ns < ? LIMIT ?)",
+            False,
+        )
+    if kind == "minutes":
+        return (
+            "DELETE FROM signal_minutes WHERE (device, signal, minute) IN (SELECT device, "
+            "signal, minute FROM signal_minutes WHERE minute < ? LIMIT ?)",
+            False,
+        )
+    raise FleetStoreError(f"cannot expire {kind!r}: not a kind of history this store keeps")
+
+
+#: The newest cut of a message kind (it only moves forward).
+RECORD_FLOOR = (
+    "INSERT INTO history_floors (kind, floor_ns) VALUES (?, ?) ON CONFLICT (kind) DO UPDATE "
+    "SET floor_ns = CASE WHEN excluded.floor_ns > history_floors.floor_ns "
+    "THEN excluded.floor_ns ELSE history_floors.floor_ns END"
+)
+
+
 def gaps_sql(by_device: bool) -> str:
     """Gap detection in one query, per (device, boot): the head (seqs start at 0), holes
     between stored seqs (LAG over seq), and the tail up to the boot's watermark (the number
     of seqs the device had assigned when it last sent a state message; see
     :mod:`wire.messages`), including a boot of which nothing arrived. Each with the boot's
-    ``held`` for :func:`gap_rows`. Written with ``?`` (see
+    ``held`` for :func:`gap_rows`. Nothing retention may have cut is reported: no hole
+    above a message older than the newest cut (``history_floors``), no head or empty boot
+    first heard of before it, no tail after a last message older than it. Written with ``?`` (see
     :meth:`fleet.store.sql.SqlStore._sql`).
     """
     where = "WHERE device = ?" if by_device else ""
     bwhere = "AND b.device = ?" if by_device else ""
     return f"""
-WITH ordered AS (
-    SELECT device, boot_id, seq,
-           LAG(seq) OVER (PARTITION BY device, boot_id ORDER BY seq) AS prev
+WITH cut AS (
+    SELECT COALESCE(MAX(floor_ns), 0) AS f FROM history_floors
+),
+ordered AS (
+    SELECT device, boot_id, seq, t_ns,
+           LAG(seq) OVER (PARTITION BY device, boot_id ORDER BY seq) AS prev,
+           LAG(t_ns) OVER (PARTITION BY device, boot_id ORDER BY seq) AS prev_t
     FROM messages {where}
 ),
 holes AS (
     SELECT device, boot_id, prev + 1 AS first_missing, seq - 1 AS last_missing
     FROM ordered WHERE prev IS NOT NULL AND seq > prev + 1
+      AND prev_t >= (SELECT f FROM cut)
 ),
 spans AS (
-    SELECT device, boot_id, MIN(seq) AS low, MAX(seq) AS top
+    SELECT device, boot_id, MIN(seq) AS low, MAX(seq) AS top, MAX(t_ns) AS top_t
     FROM ordered GROUP BY device, boot_id
 ),
 heads AS (
-    SELECT device, boot_id, 0 AS first_missing, low - 1 AS last_missing
-    FROM spans WHERE low > 0
+    SELECT s.device, s.boot_id, 0 AS first_missing, s.low - 1 AS last_missing
+    FROM spans s LEFT JOIN boots b ON b.device = s.device AND b.boot_id = s.boot_id
+    WHERE s.low > 0 AND COALESCE(b.first_received_ns, 0) >= (SELECT f FROM cut)
 ),
 tails AS (
     SELECT t.device, t.boot_id, t.top + 1 AS first_missing, b.watermark - 1 AS last_missing
     FROM spans t JOIN boots b ON b.device = t.device AND b.boot_id = t.boot_id
     WHERE b.watermark IS NOT NULL AND b.watermark - 1 > t.top
+      AND t.top_t >= (SELECT f FROM cut)
 ),
 empties AS (
     SELECT b.device, b.boot_id, 0 AS first_missing, b.watermark - 1 AS last_missing
     FROM boots b
     WHERE b.watermark IS NOT NULL AND b.watermark > 0 {bwhere}
+      AND b.first_received_ns >= (SELECT f FROM cut)
       AND NOT EXISTS (SELECT 1 FROM spans s WHERE s.device = b.device AND s.boot_id = b.boot_id)
 ),
 found AS (

@@ -269,6 +269,14 @@ class Store(Protocol):
         """``device -> (group, tier)`` for every registered device."""
         ...
 
+    def expire(self, kind: str, before_ns: int, limit: int) -> int:
+        """Delete up to ``limit`` rows of ``kind`` older than ``before_ns`` (one short
+        transaction; call again until it returns less than ``limit``); how many went.
+        Kinds: a message kind (by its ``t_ns``; the cut is recorded, so :meth:`gaps` does
+        not report what it removed), ``quarantine`` (by ``received_ns``) or ``minutes``
+        (the rollups, by their minute). Raises ``FleetStoreError``."""
+        ...
+
     def put_bundle(self, sha256: str, data: bytes, now_ns: int) -> None:
         """Keep a published bundle's bytes (once per sha256; the caller checked the hash),
         so every ``fleet serve`` node on this store can serve it."""

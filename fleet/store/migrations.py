@@ -374,6 +374,16 @@ CREATE TABLE bundles (
 )
 """
 
+# v12: retention. How far back each message kind was cut (what is missing older than the
+# newest cut is not a gap), and the index the minute rollups are cut by.
+_V12 = """
+CREATE TABLE history_floors (
+    kind TEXT PRIMARY KEY,
+    floor_ns BIGINT NOT NULL
+);
+CREATE INDEX signal_minutes_minute ON signal_minutes (minute)
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "registry, boots, messages, quarantine", _V1_SQLITE, _V1_POSTGRES),
     Migration(2, "rollouts, rollout requests, device labels", _V2_SQLITE, _V2_POSTGRES),
@@ -385,6 +395,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(9, "fleet serve nodes and the rollout leader", _V9, _V9),
     Migration(10, "the seq each device boot still holds", _V10_SQLITE, _V10_POSTGRES),
     Migration(11, "published bundles, for every node to serve", _V11_SQLITE, _V11_POSTGRES),
+    Migration(12, "retention: how far back history was cut", _V12, _V12),
 )
 
 #: The schema version this code writes and reads.

@@ -62,6 +62,7 @@ class MemoryStore:
         self.url = "memory://"
         self._messages: dict[tuple[str, str, int], Row] = {}
         self._bundles: dict[str, bytes] = {}
+        self._floor = 0  # the newest cut of a message kind (history_floors)
         self._labels: dict[tuple[str, str, int], str | None] = {}
         self._devices: dict[str, _Device] = {}
         self._boots: dict[tuple[str, str], _Boot] = {}
@@ -233,12 +234,35 @@ class MemoryStore:
             if device is not None and dev != device:
                 continue
             have = sorted(seqs.get((dev, boot), []))
-            found += _cut(_holes(dev, boot, have, b.watermark), b.held)
+            holes = _holes(dev, boot, have, b.watermark)
+            if self._floor:
+                holes = [g for g in holes if self._uncut(g, b.first_received_ns)]
+            found += _cut(holes, b.held)
         first = {k: b.first_received_ns for k, b in self._boots.items()}
         return sorted(
             found,
             key=lambda g: (g.device, first[(g.device, g.boot_id)], g.boot_id, g.first_missing),
         )
+
+    def _uncut(self, g: Gap, first_received_ns: int) -> bool:
+        """Retention cannot have removed ``g`` (see fleet.store._common.gaps_sql)."""
+        below = self._messages.get((g.device, g.boot_id, g.first_missing - 1))
+        if below is not None:
+            return below.t_ns >= self._floor  # a hole or a tail: the message before it
+        return first_received_ns >= self._floor  # a head or a boot of which nothing is left
+
+    def expire(self, kind: str, before_ns: int, limit: int) -> int:
+        if kind == "quarantine":
+            old = [q for q in self._quarantine if q.received_ns < before_ns][:limit]
+            self._quarantine = [q for q in self._quarantine if q not in old]
+            return len(old)
+        if kind == "minutes":
+            return 0  # no rollups here
+        keys = [k for k, r in self._messages.items() if r.kind == kind and r.t_ns < before_ns]
+        for k in keys[:limit]:
+            del self._messages[k]
+        self._floor = max(self._floor, before_ns)
+        return min(len(keys), limit)
 
     def record_new_gaps(self, since_ns: int, until_ns: int, found_ns: int) -> list[Gap]:
         new: list[Gap] = []
