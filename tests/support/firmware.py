@@ -56,10 +56,12 @@ def marker_cli(src: str) -> str:
 
 
 def crashing_cli(src: str) -> str:
-    """main() exits 1 at once, as a build that crash-loops on start would."""
-    old = '    """Console-script entry point."""\n    app()\n'
-    assert old in src
-    return src.replace(old, CRASH)
+    """main() exits 1 at once, as a build that crash-loops on start would: its body, from
+    the docstring to the ``app()`` call, becomes ``raise SystemExit(1)``."""
+    head = '    """Console-script entry point."""\n'
+    start = src.index(head)
+    end = src.index("    app()\n", start) + len("    app()\n")
+    return src[:start] + CRASH + src[end:]
 
 
 def variant(
