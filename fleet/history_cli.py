@@ -22,7 +22,7 @@ from fleet.cli_common import (
     out,
 )
 from fleet.errors import FleetError, RetentionError
-from fleet.retention import describe, parse_retention
+from fleet.retention import KINDS, describe, parse_retention
 
 history_app = typer.Typer(help="The store's history and its retention.", no_args_is_help=True)
 
@@ -30,8 +30,8 @@ RetentionOpt = Annotated[
     str,
     typer.Option(
         "--retention",
-        help="KIND=AGE pairs, e.g. telemetry=30d,decisions=180d (kinds: telemetry, decisions, "
-        "ota, quarantine, minutes; ages in d or h).",
+        help="KIND=AGE pairs, e.g. telemetry=30d,decisions=180d (kinds: "
+        f"{', '.join(KINDS)}; ages in d or h).",
     ),
 ]
 

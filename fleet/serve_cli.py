@@ -27,7 +27,7 @@ from fleet.cli_common import (
 from fleet.errors import FleetError, IngestError, RetentionError, RolloutError
 from fleet.leader import NodeBeat, check_alone, default_node
 from fleet.metrics import FleetMetrics, store_state
-from fleet.retention import apply_retention, describe, parse_retention
+from fleet.retention import KINDS, apply_retention, describe, parse_retention
 from fleet.rollout.service import check_artifact_url
 from fleet.services import ApiService, build_api, service_failure, start_services
 from fleet.store import OperatorStore, open_store
@@ -156,8 +156,8 @@ def serve(
         str,
         typer.Option(
             help="Delete history older than this every 10 min: KIND=AGE pairs, e.g. "
-            "telemetry=30d,decisions=180d (kinds: telemetry, decisions, ota, quarantine, "
-            "minutes). Default: keep everything.",
+            f"telemetry=30d,decisions=180d (kinds: {', '.join(KINDS)}). Default: keep "
+            "everything.",
         ),
     ] = "",
     as_json: JsonOpt = False,

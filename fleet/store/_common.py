@@ -338,26 +338,28 @@ def device_info(row: Sequence[Any]) -> DeviceInfo:
     )
 
 
-def expire_sql(kind: str) -> tuple[str, bool]:
-    """The ``?`` DELETE of :meth:`fleet.store.base.Store.expire` for ``kind`` and whether
-    it is a message kind (bind the kind too; its cut is recorded in ``history_floors``)
-    or not (bind the cut and the limit)."""
+def expire_sql(kind: str, before_ns: int, limit: int) -> tuple[str, tuple[object, ...], bool]:
+    """The ``?`` DELETE of :meth:`fleet.store.base.Store.expire` for ``kind``, its
+    arguments, and whether the cut is recorded in ``history_floors`` (message kinds)."""
     if kind in DATA_KINDS:
         return (
             "DELETE FROM messages WHERE (device, boot_id, seq) IN (SELECT device, boot_id, seq "
             "FROM messages WHERE kind = ? AND t_ns < ? LIMIT ?)",
+            (kind, before_ns, limit),
             True,
         )
     if kind == "quarantine":
         return (
             "DELETE FROM quarantine WHERE id IN "
             "(SELECT id FROM quarantine WHERE received_ns < ? LIMIT ?)",
+            (before_ns, limit),
             False,
         )
     if kind == "minutes":
         return (
             "DELETE FROM signal_minutes WHERE (device, signal, minute) IN (SELECT device, "
             "signal, minute FROM signal_minutes WHERE minute < ? LIMIT ?)",
+            (before_ns // MINUTE_NS, limit),
             False,
         )
     raise FleetStoreError(f"cannot expire {kind!r}: not a kind of history this store keeps")

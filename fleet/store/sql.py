@@ -281,14 +281,12 @@ class SqlStore(AccessSql, ConsoleSql):
         return self._run("labels", go)
 
     def expire(self, kind: str, before_ns: int, limit: int) -> int:
-        sql, message_kind = _common.expire_sql(kind)
-        cut = before_ns // _common.MINUTE_NS if kind == "minutes" else before_ns
-        args = (kind, cut, limit) if message_kind else (cut, limit)
+        sql, args, record_floor = _common.expire_sql(kind, before_ns, limit)
 
         def go(db: Connection) -> int:
             with self._txn(db):
                 n = int(db.execute(self._sql(sql), args).rowcount)
-                if message_kind:
+                if record_floor:
                     db.execute(self._sql(_common.RECORD_FLOOR), (kind, before_ns))
                 return n
 
