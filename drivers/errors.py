@@ -1,17 +1,4 @@
-"""The one error tree of ``drivers``.
-
-::
-
-    DriverError
-    ├── DriverConfigError        the spec is wrong (bad DBC, bad register map): the user's fault
-    ├── CanError                 the CAN side failed at run time
-    │   └── CanBusError          bus error, bus-off, vanished interface (we reconnect)
-    ├── ModbusError              a Modbus request failed
-    │   ├── ModbusTimeout        no reply in time (also a ``TimeoutError``)
-    │   ├── ModbusConnectionError  cannot reach the port (also a ``ConnectionError``)
-    │   │   └── PortInUse    the simulator cannot serve: its Modbus TCP port is taken
-    │   └── ModbusExceptionResponse  the unit answered with an exception code
-    └── ReplayError              a capture file cannot be read
+"""The one error tree of ``drivers``, drawn on its root :class:`DriverError`.
 
 Foreign exceptions (``can.CanError``, ``pymodbus.ModbusException``, ``OSError`` from a
 serial port ...) are turned into these at the boundary of each driver.
@@ -19,7 +6,21 @@ serial port ...) are turned into these at the boundary of each driver.
 
 
 class DriverError(Exception):
-    """Root of every error raised by ``drivers``."""
+    """Root of every error raised by ``drivers``.
+
+    ::
+
+        DriverError
+        ├── DriverConfigError        the spec is wrong (bad DBC, bad register map): the user's fault
+        ├── CanError                 the CAN side failed at run time
+        │   └── CanBusError          bus error, bus-off, vanished interface (we reconnect)
+        ├── ModbusError              a Modbus request failed
+        │   ├── ModbusTimeout        no reply in time (also a ``TimeoutError``)
+        │   ├── ModbusConnectionError  cannot reach the port (also a ``ConnectionError``)
+        │   │   └── PortInUse    the simulator cannot serve: its Modbus TCP port is taken
+        │   └── ModbusExceptionResponse  the unit answered with an exception code
+        └── ReplayError              a capture file cannot be read
+    """
 
 
 class DriverConfigError(DriverError):

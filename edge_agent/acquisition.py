@@ -1,23 +1,10 @@
 """What a config's sources deliver for each signal, and the model's input contract against it.
 
-:func:`config_acquisition` describes every signal the config's sources produce in the
-terms of the model's ``training.acquisition`` (:class:`models.acquisition.SignalAcquisition`):
-
-* a Modbus register: its block's poll period (registers that share a unit, a function and
-  a poll period and sit close together are one read, one schedule: ``drivers.modbus.plan``),
-  its resolution (the ``scale`` of an integer type; 0 for a float), the range its type can
-  carry, its ``deadband`` and the source's ``heartbeat_ms``;
-* a CAN or replayed signal: its DBC message's cycle time (``GenMsgCycleTime``; a replay
-  divides it by its ``speed``), the signal's scale and range.
-
 The same description serves training for a config (``--acquisition-from``) and
 :func:`contract_report`, which checks it against a model (:mod:`models.contract`) at
 ``check-config``, at start, at a hot swap and before an OTA model is staged.
 ``[reasoning] acquisition = "accept-mismatch"`` turns the contract's errors into a
 warning: the agent runs the model anyway and marks every decision.
-
-Arrival jitter is not in a config: the defaults below are the ones the committed model was
-trained with (:mod:`models.dataset`), and the contract does not compare it.
 """
 
 from __future__ import annotations
@@ -69,6 +56,19 @@ def config_acquisition(
 
     Raises :class:`DriverConfigError` for a register map or DBC the drivers would refuse
     (``check-config`` reports those on their own).
+
+    :func:`config_acquisition` describes every signal the config's sources produce in the
+    terms of the model's ``training.acquisition`` (:class:`models.acquisition.SignalAcquisition`):
+
+    * a Modbus register: its block's poll period (registers that share a unit, a function and
+      a poll period and sit close together are one read, one schedule: ``drivers.modbus.plan``),
+      its resolution (the ``scale`` of an integer type; 0 for a float), the range its type can
+      carry, its ``deadband`` and the source's ``heartbeat_ms``;
+    * a CAN or replayed signal: its DBC message's cycle time (``GenMsgCycleTime``; a replay
+      divides it by its ``speed``), the signal's scale and range.
+
+    Arrival jitter is not in a config: the defaults below are the ones the committed model was
+    trained with (:mod:`models.dataset`), and the contract does not compare it.
     """
     out: dict[str, Delivered] = {}
     for spec, at in _keyed(sources):

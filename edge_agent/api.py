@@ -1,22 +1,8 @@
 """The agent's HTTP API on the gateway: health probes, status and Prometheus metrics.
 
-Routes (JSON unless said otherwise; NaN/inf become ``null``):
-
-* ``POST /v1/health`` -- a probe ``{"sensor_id", "timestamp_ns", "payload": {signal: value}}``
-  (see :func:`edge_agent.probe.parse_probe`) goes through perception, memory and reasoning
-  without changing them; 200 ``{"status": "ok"|"degraded", "sensor_id", "label", "score",
-  "stage_latency_ms": {"perception", "memory", "reasoning"}, ...}``. A malformed probe is
-  400 ``{"error", "where"}``; a body over ``max_body_bytes`` is 413, refused before parsing
-  (by its Content-Length when it has one, else while reading); a failure inside the agent
-  is 500 with a message, logged, and the server carries on.
-* ``GET /v1/status`` -- the agent's status snapshot.
-* ``GET /metrics`` -- Prometheus text exposition (:class:`edge_agent.metrics.AgentMetrics`).
-
-Handlers run on the agent's event loop and call the agent synchronously, so a probe runs
-between two windows and never races the live pipeline over the stages' state. The access
-log is off by default: a probe every second would otherwise flood the journal.
-
-The ``[api]`` section: every key with its default in ``examples/agent.toml``.
+``POST /v1/health``, ``GET /v1/status`` and ``GET /metrics`` (what each answers:
+:class:`HealthApi`). Handlers run on the agent's event loop and call the agent synchronously,
+so a probe runs between two windows and never races the live pipeline over the stages' state.
 
 aiohttp is imported when the server starts, not with this module: the config loader
 imports :class:`ApiSection`, and ``edge-agent check`` has no use for an HTTP server.
@@ -50,7 +36,10 @@ _CHUNK = 16_384
 
 
 class ApiSection(StrictModel):
-    """The ``[api]`` section (see the module docstring). Strict, unknown keys rejected."""
+    """The ``[api]`` section (see the module docstring). Strict, unknown keys rejected.
+
+    The ``[api]`` section: every key with its default in ``examples/agent.toml``.
+    """
 
     enabled: bool = True
     host: Annotated[str, Field(min_length=1, max_length=255)] = "127.0.0.1"
@@ -89,6 +78,22 @@ class HealthApi:
     """The HTTP server of :mod:`edge_agent.api`; ``async with`` starts and stops it.
 
     With ``section.enabled`` false, :meth:`start` does nothing.
+
+    Routes (JSON unless said otherwise; NaN/inf become ``null``):
+
+    * ``POST /v1/health`` -- a probe ``{"sensor_id", "timestamp_ns", "payload": {signal: value}}``
+      (see :func:`edge_agent.probe.parse_probe`) goes through perception, memory and reasoning
+      without changing them; 200 ``{"status": "ok"|"degraded", "sensor_id", "label", "score",
+      "stage_latency_ms": {"perception", "memory", "reasoning"}, ...}``. A malformed probe is
+      400 ``{"error", "where"}``; a body over ``max_body_bytes`` is 413, refused before parsing
+      (by its Content-Length when it has one, else while reading); a failure inside the agent
+      is 500 with a message, logged, and the server carries on.
+    * ``GET /v1/status`` -- the agent's status snapshot.
+    * ``GET /metrics`` -- Prometheus text exposition (:class:`edge_agent.metrics.AgentMetrics`).
+
+    Handlers run on the agent's event loop and call the agent synchronously, so a probe runs
+    between two windows and never races the live pipeline over the stages' state. The access
+    log is off by default: a probe every second would otherwise flood the journal.
     """
 
     def __init__(self, view: AgentView, section: ApiSection) -> None:

@@ -3,20 +3,8 @@
 The stage has a latency budget per window (``budget_ms`` in the config). Falling behind is
 worse than answering with less: windows would queue up, go stale, and be dropped anyway.
 So when the stage overruns its budget ``trip_after`` windows in a row, the breaker *opens*
-and the model stops running on every window:
-
-* ``every_k``: the model scores every ``k``-th window; the others get rules only;
-* ``rules_only``: the model scores only a probe window every ``probe_every`` windows,
-  just enough to notice when it is fast again; every other window gets rules only.
-
-While open, every model run is a probe: ``recover_after`` runs in a row within budget close
-the breaker again (one overrun starts the count over). The table :data:`_TRANSITIONS` is
-the whole machine; the caller asks :meth:`Breaker.should_run` before a window and reports
-the outcome with :meth:`Breaker.record` after it. No clock: latencies are arguments.
-
-::
-
-    closed ──over x trip_after──> open ──under x recover_after (model runs only)──> closed
+and the model stops running on every window, until it is fast again (the modes and the
+table: :class:`Breaker`). No clock: latencies are arguments.
 """
 
 from __future__ import annotations
@@ -83,7 +71,23 @@ _TRANSITIONS: Mapping[tuple[State, Outcome], tuple[State, str]] = {
 
 
 class Breaker:
-    """Mutable but pure: fed latencies, it answers whether to run the model and the mode."""
+    """Mutable but pure: fed latencies, it answers whether to run the model and the mode.
+
+    Open, by ``mode``:
+
+    * ``every_k``: the model scores every ``k``-th window; the others get rules only;
+    * ``rules_only``: the model scores only a probe window every ``probe_every`` windows,
+      just enough to notice when it is fast again; every other window gets rules only.
+
+    While open, every model run is a probe: ``recover_after`` runs in a row within budget close
+    the breaker again (one overrun starts the count over). The table :data:`_TRANSITIONS` is
+    the whole machine; the caller asks :meth:`Breaker.should_run` before a window and reports
+    the outcome with :meth:`Breaker.record` after it. No clock: latencies are arguments.
+
+    ::
+
+        closed ──over x trip_after──> open ──under x recover_after (model runs only)──> closed
+    """
 
     def __init__(self, spec: BreakerSpec) -> None:
         self.spec = spec

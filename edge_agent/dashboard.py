@@ -5,20 +5,6 @@
 * :meth:`Dashboard.on_decision`, the agent's ``on_decision`` callback, called on the event
   loop for every decision: O(1) bookkeeping only (counters, bounded deques), never rendering;
 * :meth:`Dashboard.update`, the latest :meth:`Agent.status` snapshot, a few times a second.
-
-:meth:`Dashboard.render` and :meth:`Dashboard.summary` are pure functions of that picture
-(and of the injected clock, for the elapsed time), so tests render them into a recording
-``Console`` and read the text. :meth:`Dashboard.run` is the only I/O: a ``rich`` Live view on
-a terminal, or one plain line every few seconds on a pipe or in CI, then the summary.
-
-Elapsed time starts when the dashboard is built; build it when the simulator starts, so
-the anomaly schedule (plant seconds) lines up with what is on screen.
-
-An injected anomaly counts as *caught* when an alarm of the same kind (``spike`` for a
-spike, ``dropout`` for a dropout ...) is raised while it is active or at most
-:data:`CATCH_GRACE_S` after it ends: a window closes 0.64 s after its first sample and the
-alarm needs consecutive windows to rise, so a fast detection still lands after the fact.
-Any alarm raised outside every anomaly (plus that grace) is a false alarm.
 """
 
 from __future__ import annotations
@@ -111,6 +97,20 @@ class Dashboard:
     :func:`model_description`); ``anomalies`` is the simulator's schedule in plant seconds;
     ``duration_s`` the planned run length (None: until stopped). ``clock`` is monotonic
     seconds; tests pass their own to place decisions in time.
+
+    :meth:`Dashboard.render` and :meth:`Dashboard.summary` are pure functions of that picture
+    (and of the injected clock, for the elapsed time), so tests render them into a recording
+    ``Console`` and read the text. :meth:`Dashboard.run` is the only I/O: a ``rich`` Live view on
+    a terminal, or one plain line every few seconds on a pipe or in CI, then the summary.
+
+    Elapsed time starts when the dashboard is built; build it when the simulator starts, so
+    the anomaly schedule (plant seconds) lines up with what is on screen.
+
+    An injected anomaly counts as *caught* when an alarm of the same kind (``spike`` for a
+    spike, ``dropout`` for a dropout ...) is raised while it is active or at most
+    :data:`CATCH_GRACE_S` after it ends: a window closes 0.64 s after its first sample and the
+    alarm needs consecutive windows to rise, so a fast detection still lands after the fact.
+    Any alarm raised outside every anomaly (plus that grace) is a false alarm.
     """
 
     def __init__(

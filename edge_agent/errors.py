@@ -1,30 +1,33 @@
-"""The one error tree of ``edge_agent``.
+"""The one error tree of ``edge_agent``, drawn on its root :class:`AgentError`.
 
-::
-
-    AgentError
-    ├── ConfigError      the config file is wrong; ``errors`` lists every problem found
-    ├── ReasoningError   the model cannot serve this agent: it failed to load, or it does
-    │   │                not fit the perception signals / window / rules
-    │   ├── ModelMismatch  the model does not fit (signals, window, rate, rule labels);
-    │   │                  a swap is refused and the old model keeps serving
-    │   └── RulesError     a rule names a label or signal the model or perception lacks
-    ├── ServiceError     a service the agent needs cannot start (the health API's port
-    │                    is taken); fatal at start, with this message
-    ├── StatePathError   a folder or file the config makes the agent write cannot be made
-    │                    or written (``agent.state_dir`` under /proc, a file in its place)
-    └── ProbeError       (also a ValueError) a health probe sent by a client is malformed;
-        │                ``where`` is the JSON path of the fault (``payload.current``)
-        └── ProbeTooLarge  its body is over the size cap (HTTP 413 rather than 400)
-
-``ProbeError`` is the client's fault, not the agent's: the health API answers it with 400
-(or 413) and the agent carries on. Errors of the drivers stay in their own tree
-(:class:`drivers.errors.DriverError`); the agent reports them per source and keeps running.
+Errors of the drivers stay in their own tree (:class:`drivers.errors.DriverError`); the
+agent reports them per source and keeps running.
 """
 
 
 class AgentError(Exception):
-    """Root of every error raised by ``edge_agent``."""
+    """Root of every error raised by ``edge_agent``.
+
+    ::
+
+        AgentError
+        ├── ConfigError      the config file is wrong; ``errors`` lists every problem found
+        ├── ReasoningError   the model cannot serve this agent: it failed to load, or it does
+        │   │                not fit the perception signals / window / rules
+        │   ├── ModelMismatch  the model does not fit (signals, window, rate, rule labels);
+        │   │                  a swap is refused and the old model keeps serving
+        │   └── RulesError     a rule names a label or signal the model or perception lacks
+        ├── ServiceError     a service the agent needs cannot start (the health API's port
+        │                    is taken); fatal at start, with this message
+        ├── StatePathError   a folder or file the config makes the agent write cannot be made
+        │                    or written (``agent.state_dir`` under /proc, a file in its place)
+        └── ProbeError       (also a ValueError) a health probe sent by a client is malformed;
+            │                ``where`` is the JSON path of the fault (``payload.current``)
+            └── ProbeTooLarge  its body is over the size cap (HTTP 413 rather than 400)
+
+    ``ProbeError`` is the client's fault, not the agent's: the health API answers it with 400
+    (or 413) and the agent carries on.
+    """
 
 
 class ConfigError(AgentError):

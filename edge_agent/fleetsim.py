@@ -8,9 +8,6 @@ agent's own code. Only the windows come from :func:`edge_agent.simwindows.plant_
 (the plant simulator through real perception) at ``window_hz``, instead of Modbus and CAN.
 Fifty of them fit on two cores; fifty full agents, each polling its own simulated plant at
 100 Hz, do not.
-
-:func:`sim_config` makes a device's config from the example one (uplink to the given broker,
-no health API, no memory store, a trust root, ``agent:replace`` not granted).
 """
 
 from __future__ import annotations
@@ -44,7 +41,11 @@ def sim_config(
     device_type: str = "motor-drive-gw",
     extra: str = "",
 ) -> AgentConfig:
-    """The example agent config for one simulated device (paths made absolute)."""
+    """The example agent config for one simulated device (paths made absolute).
+
+    :func:`sim_config` makes a device's config from the example one (uplink to the given broker,
+    no health API, no memory store, a trust root, ``agent:replace`` not granted).
+    """
     text = (EXAMPLES / "agent.toml").read_text()
     host, port = broker
     edits = [

@@ -5,17 +5,7 @@ waits for each one with :class:`PreciseWait` and calls the handlers of the stage
 is open, in pipeline order. Handlers are synchronous and receive the window's close time
 (UNIX ns); they stop taking new work at that time.
 
-Why not ``asyncio.sleep``: asyncio and uvloop round their epoll timeouts *up* to whole
-milliseconds, so a sleep ends up to ~1 ms late, a tenth of a 10 ms cycle. :class:`PreciseWait`
-arms a timerfd (a kernel hrtimer, no rounding) a little before the deadline, lets the loop
-wait for it like any other file descriptor (so asyncio and uvloop both work), then spins on
-the clock for the last ``spin_ns``.
-
-Policy when the loop falls behind: an opening whose window has already closed when the
-scheduler gets to it is counted as *missed* and skipped; nothing runs after its window, and
-there is no back-to-back catch-up. A stage whose handler returns after the close counts an
-*overrun*; a stage whose turn comes after the close (an earlier stage of the same entry
-overran) is *skipped*.
+Design: ``docs/ARCHITECTURE.md``, "The real-time path".
 """
 
 from __future__ import annotations
@@ -164,6 +154,12 @@ class PreciseWait:
     Use from one event loop at a time. ``spin_ns`` is both the busy-wait per deadline and
     what :attr:`spin_total_ns` accounts. ``use_timerfd=False`` (or no timerfd on this system)
     sleeps with asyncio until 1.5 ms before the deadline and spins from there.
+
+    Why not ``asyncio.sleep``: asyncio and uvloop round their epoll timeouts *up* to whole
+    milliseconds, so a sleep ends up to ~1 ms late, a tenth of a 10 ms cycle. :class:`PreciseWait`
+    arms a timerfd (a kernel hrtimer, no rounding) a little before the deadline, lets the loop
+    wait for it like any other file descriptor (so asyncio and uvloop both work), then spins on
+    the clock for the last ``spin_ns``.
     """
 
     def __init__(self, *, spin_ns: int = 200_000, use_timerfd: bool = True) -> None:
@@ -334,6 +330,12 @@ class GateScheduler:
     exception from a handler ends :meth:`run` (handlers own their error policy).
     ``clock_ns`` must tick like CLOCK_REALTIME (it may be shifted: deadlines are
     translated); ``on_gate(entry_name, lateness_s)`` is called at every opening run.
+
+    Policy when the loop falls behind: an opening whose window has already closed when the
+    scheduler gets to it is counted as *missed* and skipped; nothing runs after its window, and
+    there is no back-to-back catch-up. A stage whose handler returns after the close counts an
+    *overrun*; a stage whose turn comes after the close (an earlier stage of the same entry
+    overran) is *skipped*.
     """
 
     def __init__(

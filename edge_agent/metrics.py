@@ -1,24 +1,9 @@
 """Prometheus metrics of one agent: live latency histograms plus its status, read at scrape.
 
-Two sources, never the same number twice:
-
-* **Live histograms**, observed as things happen (the only way to get a distribution that a
-  scrape every 15 s does not undersample): per-stage latency, end-to-end latency (window
-  close -> decision) and gate lateness. The agent calls :meth:`AgentMetrics.observe_decision`
-  and :meth:`AgentMetrics.observe_gate`.
-* **Everything the agent already counts** (windows, decisions, drops, overruns, source
-  errors, queue depths, memory store sizes, the breaker) is read from its status snapshot
-  when Prometheus scrapes (:meth:`AgentMetrics.register_status`), so no counter is kept twice
-  and none can drift from ``GET /v1/status``.
-
-Each :class:`AgentMetrics` owns its registry (never the process-global one): tests and
-benches run several agents in one process.
-
-The status is read defensively: a key that is missing, or holds something that is not a
-number, leaves its metric out; a scrape never fails because the status changed shape (and
-if the status function itself raises, the scrape still serves the histograms and counts the
-failure in ``edgefleet_status_errors_total``). :class:`StatusLike` lists every key read;
-:data:`edge_agent.metrics_status.FAMILIES` says which family each becomes.
+Two sources, never the same number twice: histograms observed as things happen (latencies a
+scrape every 15 s would undersample), and every count the agent already keeps, read from its
+status snapshot when Prometheus scrapes, so none can drift from ``GET /v1/status``. Each
+:class:`AgentMetrics` owns its registry; how a status is read defensively: there.
 """
 
 from __future__ import annotations
@@ -58,7 +43,28 @@ GATE_BUCKETS = log_buckets(1e-6, 10e-3)
 
 
 class AgentMetrics:
-    """The agent's Prometheus registry: live histograms and the status collector."""
+    """The agent's Prometheus registry: live histograms and the status collector.
+
+    Two sources, never the same number twice:
+
+    * **Live histograms**, observed as things happen (the only way to get a distribution that a
+      scrape every 15 s does not undersample): per-stage latency, end-to-end latency (window
+      close -> decision) and gate lateness. The agent calls :meth:`AgentMetrics.observe_decision`
+      and :meth:`AgentMetrics.observe_gate`.
+    * **Everything the agent already counts** (windows, decisions, drops, overruns, source
+      errors, queue depths, memory store sizes, the breaker) is read from its status snapshot
+      when Prometheus scrapes (:meth:`AgentMetrics.register_status`), so no counter is kept twice
+      and none can drift from ``GET /v1/status``.
+
+    Each :class:`AgentMetrics` owns its registry (never the process-global one): tests and
+    benches run several agents in one process.
+
+    The status is read defensively: a key that is missing, or holds something that is not a
+    number, leaves its metric out; a scrape never fails because the status changed shape (and
+    if the status function itself raises, the scrape still serves the histograms and counts the
+    failure in ``edgefleet_status_errors_total``). :class:`StatusLike` lists every key read;
+    :data:`edge_agent.metrics_status.FAMILIES` says which family each becomes.
+    """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()

@@ -4,13 +4,6 @@ Part of :mod:`edge_agent.config` (which reports these errors with every other on
 apart because a register map has rules of its own: which keys mean something for which
 type and function. A key that would be accepted and then ignored is refused instead,
 naming it, e.g. ``sources.modbus[0].registers[3].bits: ...``.
-
-64-bit integers: a value travels as a float, never as an exact integer (a sample is a
-float64; perception's windows, and so memory, telemetry and the fleet store, hold float32:
-about 7 significant digits). Rather than carry a second number type through every stage,
-an int64/uint64 register must state its ``scale``, which is where the user decides the
-units worth those digits (1.0: raw units, rounded). ``edge-agent read`` shows the exact
-raw integer.
 """
 
 from __future__ import annotations
@@ -26,6 +19,14 @@ _BIT_FUNCTIONS: frozenset[RegisterFunction] = frozenset(("coil", "discrete_input
 
 
 class RegisterSection(StrictModel):
+    """64-bit integers: a value travels as a float, never as an exact integer (a sample is a
+    float64; perception's windows, and so memory, telemetry and the fleet store, hold float32:
+    about 7 significant digits). Rather than carry a second number type through every stage,
+    an int64/uint64 register must state its ``scale``, which is where the user decides the
+    units worth those digits (1.0: raw units, rounded). ``edge-agent read`` shows the exact
+    raw integer.
+    """
+
     name: Name
     address: Annotated[int, Field(ge=0, le=65_535)]
     function: RegisterFunction = "holding"

@@ -1,14 +1,11 @@
 """The model's health at run time: inputs out of distribution, and alarm storms. Pure.
 
-Two monitors, each a sliding horizon over the windows the model scored, with hysteresis;
-each takes the window's facts and its time (``t_ns``, injected) and says when its state
-changes (a :class:`Notice`). The reasoning stage feeds them; the agent logs, stores and
-publishes what they say. :class:`OodMonitor`: a signal flagged outside its training
-statistics on :data:`OOD_ON_SHARE` of the last :data:`OOD_HORIZON_S` s is out until
-:data:`OOD_OFF_SHARE` (model labels masked meanwhile). :class:`StormMonitor`: a model that
-alarms on :data:`STORM_ON_SHARE` of the last :data:`STORM_HORIZON_S` s is a storm until
-:data:`STORM_OFF_SHARE` (reported, never suppressed). Why these numbers:
-``docs/ARCHITECTURE.md``, "Model health at run time".
+Two monitors, each a sliding horizon over the windows the model scored, with hysteresis,
+fed the window's facts and its time (``t_ns``, injected); each says when its state changes
+(a :class:`Notice`). :class:`OodMonitor`: inputs outside the training statistics (model
+labels masked meanwhile). :class:`StormMonitor`: alarms on too large a share of windows
+(reported, never suppressed). The thresholds and why: ``docs/ARCHITECTURE.md``, "Model
+health at run time".
 """
 
 from __future__ import annotations

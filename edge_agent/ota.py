@@ -1,22 +1,11 @@
 """OTA in the running agent: the ``[ota]`` section, the activator and the wiring.
 
-The updater (:mod:`ota.updater`) decides; this module does what only the agent can:
+The updater (:mod:`ota.updater`) decides; this module does what only the agent can: make a
+model directory and swap it in, swap a config's rules, gather probation evidence (each:
+:class:`AgentOta`). Offers arrive on ``.../cmd/ota`` (:class:`wire.OtaCommand`); every
+transition goes out on ``.../ota/status`` through the outbox.
 
-- **model** bundles: the payloads are materialised as a model directory under
-  ``state_dir/ota/models/<tflite sha>-<model.json sha>/`` (prefixes of both) and swapped
-  in through :meth:`Agent.reload_model` (load and check in a thread, one assignment
-  between two windows: no window missed); the replaced model stays in memory, so a
-  rollback is one more swap, not a reload;
-- **config** bundles: the new ``agent.toml`` is validated as a whole; its ``[reasoning]``
-  rules and thresholds are swapped in between two windows (re-preparing the serving model
-  with the new rules). A config that changes anything else (sources, perception, ...)
-  is refused at activation: those need a restart, which a config bundle does not do yet;
-- probation evidence: decisions scored by the new version, the reasoning stage's latency
-  (µs, from each Decision), inference errors, resident memory, and the health API asked
-  over HTTP (in-process when the API is off).
-
-Offers arrive on ``.../cmd/ota`` (:class:`wire.OtaCommand`); every transition goes out on
-``.../ota/status`` through the outbox.
+Design: ``docs/ARCHITECTURE.md``, "OTA on the device".
 """
 
 from __future__ import annotations
@@ -108,7 +97,23 @@ class AgentPort(Protocol):
 
 
 class AgentOta:
-    """The agent's side of OTA: an :class:`ota.updater.Activator` plus the wiring."""
+    """The agent's side of OTA: an :class:`ota.updater.Activator` plus the wiring.
+
+    What only the agent can do:
+
+    - **model** bundles: the payloads are materialised as a model directory under
+      ``state_dir/ota/models/<tflite sha>-<model.json sha>/`` (prefixes of both) and swapped
+      in through :meth:`Agent.reload_model` (load and check in a thread, one assignment
+      between two windows: no window missed); the replaced model stays in memory, so a
+      rollback is one more swap, not a reload;
+    - **config** bundles: the new ``agent.toml`` is validated as a whole; its ``[reasoning]``
+      rules and thresholds are swapped in between two windows (re-preparing the serving model
+      with the new rules). A config that changes anything else (sources, perception, ...)
+      is refused at activation: those need a restart, which a config bundle does not do yet;
+    - probation evidence: decisions scored by the new version, the reasoning stage's latency
+      (µs, from each Decision), inference errors, resident memory, and the health API asked
+      over HTTP (in-process when the API is off).
+    """
 
     def __init__(
         self, config: AgentConfig, *, windows_per_s: float, clock_ns: Callable[[], int]

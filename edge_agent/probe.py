@@ -2,26 +2,9 @@
 
 Pure code, no I/O: :func:`parse_probe` is the only thing that turns the untrusted bytes of a
 ``POST /v1/health`` body into a :class:`Probe` (every fault is a :class:`ProbeError` naming
-where it is); :func:`probe_window` makes a window of it with the real
-:class:`~edge_agent.perception.Aligner`; :func:`run_probe` times that and the side-effect-free
-paths of memory (:meth:`MemoryStage.probe`) and reasoning (:meth:`ReasoningStage.evaluate`).
-
-The probe's window
-------------------
-A probe is one reading per signal at one instant, but the model judges a window of
-``spec.window`` steps, and a window whose every column is flat is exactly what it calls
-``stuck`` (every signal, score ~1). So when the agent has a last live window (``last``),
-the probe window is that window moved on by one step, the probe's reading as its newest
-row: the verdict answers "what would the agent say if this were the next reading?". A
-signal the payload leaves out keeps the last live row's value; a signal stale at the end
-of ``last`` and not in the payload stays absent (NaN, stale: the ``dropout`` rule names it,
-as it would live). Without ``last`` (nothing perceived yet), each payload value holds over
-the whole window and every other signal is absent; expect ``stuck`` from the model then.
-
-Every cell becomes a :class:`~drivers.Sample` on its grid point (the probe's own at
-``timestamp_ns``, which the newest grid point is the first at or after), fed to a fresh
-Aligner, advanced just far enough to emit exactly one window. Fresh: the live Aligner's
-horizon and counters are never touched.
+where it is); :func:`probe_window` makes a window of it (how, and why it moves the last live
+window on by one step: there); :func:`run_probe` times that and the side-effect-free paths of
+memory (:meth:`MemoryStage.probe`) and reasoning (:meth:`ReasoningStage.evaluate`).
 """
 
 from __future__ import annotations
@@ -264,7 +247,23 @@ def _num(x: float, digits: int) -> float | None:
 
 
 def probe_window(probe: Probe, spec: PerceptionSpec, last: Window | None) -> Window:
-    """The window perception makes of ``probe`` (after ``last``); see the module docstring."""
+    """The window perception makes of ``probe`` (after ``last``); see the module docstring.
+
+    A probe is one reading per signal at one instant, but the model judges a window of
+    ``spec.window`` steps, and a window whose every column is flat is exactly what it calls
+    ``stuck`` (every signal, score ~1). So when the agent has a last live window (``last``),
+    the probe window is that window moved on by one step, the probe's reading as its newest
+    row: the verdict answers "what would the agent say if this were the next reading?". A
+    signal the payload leaves out keeps the last live row's value; a signal stale at the end
+    of ``last`` and not in the payload stays absent (NaN, stale: the ``dropout`` rule names it,
+    as it would live). Without ``last`` (nothing perceived yet), each payload value holds over
+    the whole window and every other signal is absent; expect ``stuck`` from the model then.
+
+    Every cell becomes a :class:`~drivers.Sample` on its grid point (the probe's own at
+    ``timestamp_ns``, which the newest grid point is the first at or after), fed to a fresh
+    Aligner, advanced just far enough to emit exactly one window. Fresh: the live Aligner's
+    horizon and counters are never touched.
+    """
     period, n_rows, n = spec.period_ns, spec.window, len(spec.signals)
     lateness_ns = round(spec.lateness_ms * 1_000_000)
     # The newest grid point is the first at or after the reading, as perception places it.

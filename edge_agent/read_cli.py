@@ -1,14 +1,12 @@
 """``edge-agent read``: every configured value read once from the real devices, one table.
 
-For commissioning: is the PLC reachable, does each register answer, is the word order and
-the scale right? Modbus sources are asked once per value; CAN sources are listened to for
-``--can-listen`` seconds and show each signal's last value; replay sources are capture
-files, not devices, and are left out (said on stderr). Sources are read concurrently.
+For commissioning: is the PLC reachable, does each register answer, are word order and
+scale right? Modbus values are asked once each, CAN signals listened to for
+``--can-listen`` seconds; replay sources are left out. Sources are read concurrently.
 
 Exit codes: 0 every value read, 1 any value failed (exception reply, timeout, device or
 bus unreachable, a signal not heard), 2 a bad config or option. ``--json`` prints one
-JSON document on stdout; the table (rich, unwrapped when stdout is not a terminal) is for
-people. Diagnostics go to stderr.
+JSON document on stdout; diagnostics go to stderr.
 """
 
 from __future__ import annotations

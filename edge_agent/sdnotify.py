@@ -1,19 +1,10 @@
 """systemd integration: ``sd_notify`` messages and a watchdog that pings only on real progress.
 
-The unit (``firmware/systemd/edge-agent.service``) is ``Type=notify`` with ``WatchdogSec=``:
-systemd counts the agent as started when it sends ``READY=1`` and kills and restarts it when
-``WATCHDOG=1`` stops arriving. A ping from a timer alone would prove only that the event loop
-turns; :func:`watchdog_loop` pings only while every pipeline stage keeps moving windows, so a
-stuck stage, a wedged thread the loop waits on, or a blocked loop all end in a restart.
-
-Three parts, I/O at the edges:
-
-* :class:`Notifier` — the datagram socket to ``$NOTIFY_SOCKET``; a no-op outside systemd.
-* :class:`ProgressWatch` — pure: counters and ``now`` in, "ping or not, and why" out.
-* :func:`watchdog_loop` — the task that joins them, every :func:`watchdog_interval_s`.
-
-Windows flow even when the field buses are silent (perception emits stale windows on the
-clock), so a counter that stops really means a stage stopped.
+The unit (``firmware/systemd/edge-agent.service``) is ``Type=notify`` with ``WatchdogSec=``.
+A ping from a timer alone would prove only that the event loop turns; :func:`watchdog_loop`
+pings only while every pipeline stage keeps moving windows, so a stuck stage, a wedged thread
+or a blocked loop all end in a restart. :class:`Notifier` is the socket (a no-op outside
+systemd), :class:`ProgressWatch` the pure decision.
 """
 
 from __future__ import annotations
@@ -212,6 +203,9 @@ class ProgressWatch:
     has handled). :meth:`check` says "ping" only when every stage's counter changed since
     the last check that said "ping"; a stage that moved during a failed check stays
     counted, so a slow stage only has to move once per ping, not once per check.
+
+    Windows flow even when the field buses are silent (perception emits stale windows on the
+    clock), so a counter that stops really means a stage stopped.
     """
 
     def __init__(self, stages: Sequence[str]) -> None:

@@ -1,14 +1,12 @@
 """``edge-agent selftest``: the model's known-answer self-test on demand.
 
-Loads the configured model exactly as the agent does at start (backend, threads, compiled
-features) and runs its golden windows (:mod:`models.selftest`): first on the runtime's
-preferred kernels (XNNPACK on LiteRT), then, if those answers are wrong, on the builtin
-int8 kernels. Prints per golden window the expected and the actual int8 outputs.
+Loads the configured model exactly as the agent does at start and runs its golden windows
+(:mod:`models.selftest`), on the preferred kernels and then, if those answer wrong, on the
+builtin int8 kernels; prints the expected and actual int8 outputs per window.
 
-Exit codes: 0 the model would be served (``kernels`` says on which kernels; a fallback is
-reported), 2 it would not (its answers are wrong on every kernel set: the agent would not
-start with it) or a bad config, 1 it cannot be loaded at all. ``--json`` prints one JSON
-document on stdout.
+Exit codes: 0 the model would be served (``kernels`` says on which kernels), 2 it would not
+(wrong answers on every kernel set) or a bad config, 1 it cannot be loaded at all.
+``--json`` prints one JSON document on stdout.
 """
 
 from __future__ import annotations

@@ -6,9 +6,6 @@ one line that names the config key and the reason::
 
     agent.state_dir: cannot create /proc/x: /proc is on a proc filesystem, which holds no files
     memory.path: /var/lib/edge-agent/memory.db is a directory, not a file
-
-Root passes every permission check, so a path on a kernel filesystem (``/proc``, ``/sys``)
-is found by the filesystem type its nearest existing folder is mounted with.
 """
 
 from __future__ import annotations
@@ -130,7 +127,11 @@ def prepare_state_paths(cfg: AgentConfig) -> None:
 
 def filesystem_of(path: Path, mountinfo: str) -> str | None:
     """The filesystem type ``path`` is on, from ``/proc/self/mountinfo`` text; None if the
-    text names no mount above it. ``path`` should be absolute and free of symlinks."""
+    text names no mount above it. ``path`` should be absolute and free of symlinks.
+
+    Root passes every permission check, so a path on a kernel filesystem (``/proc``, ``/sys``)
+    is found by the filesystem type its nearest existing folder is mounted with.
+    """
     best: tuple[int, str] | None = None
     for line in mountinfo.splitlines():
         fields = line.split()

@@ -6,22 +6,8 @@
         -- run --config /etc/edge-agent/agent.toml
 
 It always runs from the base install (the venv), never from a slot, so a broken agent build
-cannot break the code that rolls it back. Each start:
-
-1. takes the slots' lock, sweeps what a killed install left (``.staging-*``, ``.trash-*``);
-2. reads state.json (a corrupt one is moved aside and the base install runs, see
-   :mod:`firmware.slots`);
-3. :func:`decide_boot` (pure) picks the slot and the new state: a ``trying`` build gets its
-   boot counted, one that used up ``max_boots`` is marked ``bad`` and the previous good slot
-   runs again (no previous: the base install), the reason kept in ``last_event`` for the
-   agent to report;
-4. persists the new state durably, *then* ``os.execve``\\ s the interpreter with the slot
-   directory first on ``sys.path``, so systemd's ``Type=notify`` and watchdog see the
-   agent as the service's main PID. ``EDGEFLEET_SLOT`` tells the agent what it runs
-   (``a:0.2.0``, or ``base``).
-
-stdlib and ``firmware`` only (``firmware.slots`` imports zipfile and packaging lazily), so a
-start costs a few milliseconds before the agent's own imports.
+cannot break the code that rolls it back. What each start does: :func:`main`. Design:
+``docs/ARCHITECTURE.md``, "A/B slots".
 """
 
 from __future__ import annotations
@@ -185,6 +171,25 @@ def _boot(root: Path, now: float) -> BootDecision:
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
+    """Pick the slot, count the boot and exec the agent; never returns.
+
+    Each start:
+
+    1. takes the slots' lock, sweeps what a killed install left (``.staging-*``, ``.trash-*``);
+    2. reads state.json (a corrupt one is moved aside and the base install runs, see
+       :mod:`firmware.slots`);
+    3. :func:`decide_boot` (pure) picks the slot and the new state: a ``trying`` build gets its
+       boot counted, one that used up ``max_boots`` is marked ``bad`` and the previous good slot
+       runs again (no previous: the base install), the reason kept in ``last_event`` for the
+       agent to report;
+    4. persists the new state durably, *then* ``os.execve``\\ s the interpreter with the slot
+       directory first on ``sys.path``, so systemd's ``Type=notify`` and watchdog see the
+       agent as the service's main PID. ``EDGEFLEET_SLOT`` tells the agent what it runs
+       (``a:0.2.0``, or ``base``).
+
+    stdlib and ``firmware`` only (``firmware.slots`` imports zipfile and packaging lazily), so a
+    start costs a few milliseconds before the agent's own imports.
+    """
     args = sys.argv[1:] if argv is None else argv
     own, agent_args = (
         (args[: args.index("--")], args[args.index("--") + 1 :]) if "--" in args else (args, [])

@@ -1,26 +1,6 @@
-"""The errors of ``firmware``: leaves of ``ota``'s ``ApplyError`` branch, so one tree.
-
-::
-
-    ota.ApplyError
-     ├── firmware.SlotError          root of everything firmware raises (catch-all for slots)
-     │
-     ├── ota.StorageError
-     │    ├── StagingError           (also a SlotError) installing a wheel into the inactive
-     │    │    │                     slot failed; the staging dir is gone, nothing else changed
-     │    │    ├── WheelRefused      a member is unsafe or the wheel is not an agent build
-     │    │    │                     (path, type, size, zip bomb, version); ``permanent``
-     │    │    └── SlotBusy          the active build is still on probation: its rollback
-     │    │                          target lives in the inactive slot
-     │    └── StateFileError         (also a SlotError) state.json is unreadable, corrupt or
-     │                               cannot be written
-     └── ota.ActivationError
-          ├── SlotNotReady           (also a SlotError) activate / mark_good / rollback asked
-          │                          for a slot or state that does not allow it
-          └── RollbackUnavailable    (also a SlotError) no usable previous slot: the device
-                                     stayed on the current one and recorded why
-
-Each class carries ``code`` and ``permanent`` like every ``OtaError``.
+"""The errors of ``firmware``: leaves of ``ota``'s ``ApplyError`` branch, so one tree (drawn
+on :class:`SlotError`). Each class carries ``code`` and ``permanent`` like every
+``OtaError``.
 """
 
 from __future__ import annotations
@@ -29,7 +9,28 @@ from ota.errors import ActivationError, ApplyError, StorageError
 
 
 class SlotError(ApplyError):
-    """Root of every error raised by ``firmware``'s A/B slots and boot launcher."""
+    """Root of every error raised by ``firmware``'s A/B slots and boot launcher.
+
+    ::
+
+        ota.ApplyError
+         ├── firmware.SlotError          root of everything firmware raises (catch-all for slots)
+         │
+         ├── ota.StorageError
+         │    ├── StagingError           (also a SlotError) installing a wheel into the inactive
+         │    │    │                     slot failed; the staging dir is gone, nothing else changed
+         │    │    ├── WheelRefused      a member is unsafe or the wheel is not an agent build
+         │    │    │                     (path, type, size, zip bomb, version); ``permanent``
+         │    │    └── SlotBusy          the active build is still on probation: its rollback
+         │    │                          target lives in the inactive slot
+         │    └── StateFileError         (also a SlotError) state.json is unreadable, corrupt or
+         │                               cannot be written
+         └── ota.ActivationError
+              ├── SlotNotReady           (also a SlotError) activate / mark_good / rollback asked
+              │                          for a slot or state that does not allow it
+              └── RollbackUnavailable    (also a SlotError) no usable previous slot: the device
+                                         stayed on the current one and recorded why
+    """
 
     code = "slot"
 

@@ -4,21 +4,7 @@ A bundle lives in the served directory as ``<sha256>.efb`` (64 lowercase hex dig
 sha256 of the file's bytes); :func:`publish` puts a file there under that name. Names are
 checked against that pattern before any path is built, so no request can reach another file.
 
-- HTTP (aiohttp): ``GET`` / ``HEAD /v1/bundles/{sha256}``. aiohttp's ``FileResponse`` does
-  the ranges (``206`` + ``Content-Range``, ``416`` for an unsatisfiable range) and sends the
-  file with ``sendfile``. ``400`` for a malformed name, ``404`` for an unknown bundle.
-- CoAP (aiocoap, UDP): ``GET coap://host:port/bundles/{sha256}`` with Block2. Each request
-  is answered with the one block it names, read with ``os.pread`` from a cached descriptor
-  (no whole-file reads; a device fetching 10 MB asks ~10,000 times), with ``Size2``.
-  ``4.00`` for a malformed name, ``4.04`` unknown, ``4.02`` a block past the end.
-
-Files are immutable (content-addressed), so cached descriptors and sizes never go stale;
-a bundle removed from the directory is served until its descriptor leaves the cache.
-
-Several ``fleet serve`` nodes: ``fleet rollout create`` also keeps the bundle in the store
-(up to ``STORED_BUNDLE_MAX_BYTES``), and a server given ``fill`` fetches a bundle its
-directory lacks from there (hash checked, written atomically) before serving it, so every
-node serves every bundle and offers can name a load balancer in front of them all.
+Design: ``docs/ARCHITECTURE.md``, "OTA transport and artifact server".
 """
 
 from __future__ import annotations
@@ -255,6 +241,22 @@ class ArtifactServer:
     ``http_ssl`` makes the HTTP side HTTPS. Ports 0 pick free ones; after entering,
     ``http_port`` / ``coap_port`` are the bound ports and ``http_url(sha)`` /
     ``coap_url(sha)`` the URLs a device fetches.
+
+    - HTTP (aiohttp): ``GET`` / ``HEAD /v1/bundles/{sha256}``. aiohttp's ``FileResponse`` does
+      the ranges (``206`` + ``Content-Range``, ``416`` for an unsatisfiable range) and sends the
+      file with ``sendfile``. ``400`` for a malformed name, ``404`` for an unknown bundle.
+    - CoAP (aiocoap, UDP): ``GET coap://host:port/bundles/{sha256}`` with Block2. Each request
+      is answered with the one block it names, read with ``os.pread`` from a cached descriptor
+      (no whole-file reads; a device fetching 10 MB asks ~10,000 times), with ``Size2``.
+      ``4.00`` for a malformed name, ``4.04`` unknown, ``4.02`` a block past the end.
+
+    Files are immutable (content-addressed), so cached descriptors and sizes never go stale;
+    a bundle removed from the directory is served until its descriptor leaves the cache.
+
+    Several ``fleet serve`` nodes: ``fleet rollout create`` also keeps the bundle in the store
+    (up to ``STORED_BUNDLE_MAX_BYTES``), and a server given ``fill`` fetches a bundle its
+    directory lacks from there (hash checked, written atomically) before serving it, so every
+    node serves every bundle and offers can name a load balancer in front of them all.
     """
 
     def __init__(

@@ -1,19 +1,9 @@
 """Telling a running Mosquitto to read its ACL and revocation list again: SIGHUP.
 
-Why a reload and not a restart or the dynamic security plugin (measured on Mosquitto
-2.0.11, ``tests/test_fleet_broker.py``): a reload applies the rewritten ACL to every
-connection already open, so a device dropped from it gets PUBACK 135 (not authorized) for
-its very next publish and nothing it sends after the reload reaches a subscriber, while
-every other device and the ingest stay connected and lose nothing. A restart would cut
-off the whole fleet to stop one device (every agent reconnecting, the ingest's shared
-subscriptions gone until it resubscribes). The dynamic security plugin
-(``mosquitto_dynamic_security.so``, shipped with 2.0.11) could disconnect the client as
-well, but it would replace the ACL file with a JSON store edited over ``$CONTROL`` by an
-admin identity with a password: a second source of truth for who may publish where, next
-to the CA's register this module derives the ACL from.
-
-The revoked device stays connected (the CRL is checked only at a handshake) but can
-publish and read nothing; its next connection is refused by the CRL.
+A reload applies the rewritten ACL to every open connection: a device dropped from it can
+publish and read nothing from then on, and its next connection is refused by the CRL, while
+the rest of the fleet stays connected. Why a reload and not a restart or the dynamic
+security plugin: :func:`reload_broker`.
 """
 
 from __future__ import annotations
@@ -74,7 +64,23 @@ def prepare_reload(text: str) -> Reload:
 
 def reload_broker(target: Reload) -> str:
     """Make the broker read its config, ACL and CRL again; returns what was done, for the
-    operator. PkiError if it could not be done."""
+    operator. PkiError if it could not be done.
+
+    Why a reload and not a restart or the dynamic security plugin (measured on Mosquitto
+    2.0.11, ``tests/test_fleet_broker.py``): a reload applies the rewritten ACL to every
+    connection already open, so a device dropped from it gets PUBACK 135 (not authorized) for
+    its very next publish and nothing it sends after the reload reaches a subscriber, while
+    every other device and the ingest stay connected and lose nothing. A restart would cut
+    off the whole fleet to stop one device (every agent reconnecting, the ingest's shared
+    subscriptions gone until it resubscribes). The dynamic security plugin
+    (``mosquitto_dynamic_security.so``, shipped with 2.0.11) could disconnect the client as
+    well, but it would replace the ACL file with a JSON store edited over ``$CONTROL`` by an
+    admin identity with a password: a second source of truth for who may publish where, next
+    to the CA's register this module derives the ACL from.
+
+    The revoked device stays connected (the CRL is checked only at a handshake) but can
+    publish and read nothing; its next connection is refused by the CRL.
+    """
     if target.unit is not None:
         cmd = ["systemctl", "reload", target.unit]
         try:

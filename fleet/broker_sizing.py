@@ -6,15 +6,6 @@ sessions in memory, up to ``max_queued_messages`` / ``max_queued_bytes`` per ses
 drops the rest ("Outgoing messages are being dropped for client ..."). The devices already
 have their PUBACK and deleted those messages from their outboxes, so a drop is lost for
 good. Measured on Mosquitto 2.0.11 (``tests/test_fleet_broker.py``):
-
-- The limits count per session. A shared group hands each message to one session in turn,
-  online or not, so with W workers down each session holds about 1/W of the backlog.
-  ``fleet broker-config`` still sizes every session for the WHOLE backlog: the worker
-  count can shrink to one, and a limit is not an allocation (the broker holds each message
-  once, whichever session it is queued for).
-- A queued message costs the broker its payload plus about ``RAM_OVERHEAD_BYTES`` of memory
-  (its topic and the broker's structures: 200,000 messages of 507 B took 172 MB), and its
-  payload plus about ``FILE_OVERHEAD_BYTES`` in the persistence file (125 MB).
 """
 
 from __future__ import annotations
@@ -73,6 +64,15 @@ class Sizing:
     ``autosave_s``: how often Mosquitto writes its whole in-memory state to its
     persistence file. A restart (SIGTERM) saves everything first; a crash, SIGKILL or
     power cut loses what arrived since the last save.
+
+    - The limits count per session. A shared group hands each message to one session in turn,
+      online or not, so with W workers down each session holds about 1/W of the backlog.
+      ``fleet broker-config`` still sizes every session for the WHOLE backlog: the worker
+      count can shrink to one, and a limit is not an allocation (the broker holds each message
+      once, whichever session it is queued for).
+    - A queued message costs the broker its payload plus about ``RAM_OVERHEAD_BYTES`` of memory
+      (its topic and the broker's structures: 200,000 messages of 507 B took 172 MB), and its
+      payload plus about ``FILE_OVERHEAD_BYTES`` in the persistence file (125 MB).
     """
 
     devices: int = 1000

@@ -1,14 +1,11 @@
 """``fleet``: the control-room CLI.
 
-Every command reads the store named by ``--store`` or the environment variable
-``FLEET_STORE``; the default is the SQLite file ``fleet.db`` in the current directory. A
-URL is ``sqlite:///abs/path.db`` or ``postgresql://user@host:5432/db``; a bare path is taken
-as a SQLite file. Only ``fleet serve`` and ``rollout create`` make a SQLite file that does
-not exist; any other command names the file it tried and fails. Listings print a table for
-people and, with ``--json``, JSON for scripts (one document; ``telemetry tail --follow
---json`` prints one JSON object per line).
-Diagnostics go to stderr. Exit codes: 0 ok, 1 not found / nothing to do, 2 bad usage,
-3 store or broker failure.
+Every command reads the store named by ``--store`` or ``FLEET_STORE`` (default: the SQLite
+file ``fleet.db`` here): ``sqlite:///abs/path.db``, ``postgresql://user@host:5432/db`` or a
+bare path. Only ``fleet serve`` and ``rollout create`` make a SQLite file that does not
+exist. Listings print a table, or with ``--json`` one JSON document (``telemetry tail
+--follow --json``: one object per line). Diagnostics go to stderr. Exit codes: 0 ok,
+1 not found / nothing to do, 2 bad usage, 3 store or broker failure.
 """
 
 from __future__ import annotations

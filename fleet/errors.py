@@ -1,32 +1,34 @@
-"""The fleet's error tree. Every error the ``fleet`` package raises derives from FleetError.
-
-::
-
-    FleetError
-     ├── FleetStoreError         the store cannot be opened, migrated or written
-     │    ├── SchemaTooNew       the database was migrated by newer code than this
-     │    └── StoreRefused       the database answers and refuses this data (not an outage)
-     ├── PkiError                a CA or certificate file is missing, foreign or refused
-     ├── FleetKeyError           a signing key or root.json is missing, unreadable or refused
-     ├── BundleError             a bundle cannot be built, read, signed or inspected
-     ├── IngestError             the ingest service cannot run (bad broker, bad options)
-     ├── MessageRefused          one uplink message quarantined (bad topic, schema, device)
-     ├── RolloutError            a rollout cannot be created or changed (bundle, plan, request)
-     │    ├── PlanError          (also a ValueError) a selector, wave list or threshold that
-     │    │                      cannot be planned; says what and where
-     │    └── LeadershipLost     this node no longer leads: a save under its epoch refused
-     ├── NodesRefused            the store cannot take another fleet serve node
-     ├── ArtifactError           the artifact server cannot bind, read its folder or publish
-     │    └── ArtifactPortInUse  its HTTP or CoAP port is taken by another process
-     ├── AccessError             a user, token, password, role or session was refused
-     └── RetentionError          a --retention spec that cannot be applied; says which part
+"""The fleet's error tree, drawn on its root :class:`FleetError`. Every error the ``fleet``
+package raises derives from it.
 """
 
 from __future__ import annotations
 
 
 class FleetError(Exception):
-    """Root of every error raised by the fleet manager."""
+    """Root of every error raised by the fleet manager.
+
+    ::
+
+        FleetError
+         ├── FleetStoreError         the store cannot be opened, migrated or written
+         │    ├── SchemaTooNew       the database was migrated by newer code than this
+         │    └── StoreRefused       the database answers and refuses this data (not an outage)
+         ├── PkiError                a CA or certificate file is missing, foreign or refused
+         ├── FleetKeyError           a signing key or root.json is missing, unreadable or refused
+         ├── BundleError             a bundle cannot be built, read, signed or inspected
+         ├── IngestError             the ingest service cannot run (bad broker, bad options)
+         ├── MessageRefused          one uplink message quarantined (bad topic, schema, device)
+         ├── RolloutError            a rollout cannot be created or changed (bundle, plan, request)
+         │    ├── PlanError          (also a ValueError) a selector, wave list or threshold that
+         │    │                      cannot be planned; says what and where
+         │    └── LeadershipLost     this node no longer leads: a save under its epoch refused
+         ├── NodesRefused            the store cannot take another fleet serve node
+         ├── ArtifactError           the artifact server cannot bind, read its folder or publish
+         │    └── ArtifactPortInUse  its HTTP or CoAP port is taken by another process
+         ├── AccessError             a user, token, password, role or session was refused
+         └── RetentionError          a --retention spec that cannot be applied; says which part
+    """
 
 
 class FleetStoreError(FleetError):

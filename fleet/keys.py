@@ -5,19 +5,7 @@ document from :func:`ota.build.root_signed`, and every root written here has fir
 accepted by the device's own code (:func:`ota.trust.load_root`, :func:`ota.trust.rotate`),
 so the fleet cannot publish a root its devices would refuse.
 
-Layout of a keys folder::
-
-    root-<keyid16>.pem     a root key (0600): signs root.json only; keep it offline
-    bundle-<keyid16>.pem   a bundle-signing key (0600)
-    root.json              the current root: what ``export-root`` gives to devices
-    root.<N>.json          each earlier version, kept when a rotation replaces it
-    revoked/               key files a rotation dropped from the root
-    replaced-<time>/       a whole key set that ``init --force`` put aside (never deleted)
-
-Key files are written to a temp file created 0600 with ``O_EXCL`` and then linked to their
-name, which fails if the name exists: a key is never overwritten. Every write is durable
-(fsync, rename or link, fsync of the folder). A passphrase comes from a file or the
-environment variable :data:`ENV_PASSPHRASE`, never from the command line.
+A keys folder and how its files are written: :class:`KeySet`.
 """
 
 from __future__ import annotations
@@ -210,6 +198,21 @@ def _role_order(root: ota_trust.TrustRoot, role: str) -> list[str]:
 
 @dataclass(frozen=True)
 class KeySet:
+    """Layout of a keys folder::
+
+        root-<keyid16>.pem     a root key (0600): signs root.json only; keep it offline
+        bundle-<keyid16>.pem   a bundle-signing key (0600)
+        root.json              the current root: what ``export-root`` gives to devices
+        root.<N>.json          each earlier version, kept when a rotation replaces it
+        revoked/               key files a rotation dropped from the root
+        replaced-<time>/       a whole key set that ``init --force`` put aside (never deleted)
+
+    Key files are written to a temp file created 0600 with ``O_EXCL`` and then linked to their
+    name, which fails if the name exists: a key is never overwritten. Every write is durable
+    (fsync, rename or link, fsync of the folder). A passphrase comes from a file or the
+    environment variable :data:`ENV_PASSPHRASE`, never from the command line.
+    """
+
     root_json: Path
     root_keys: list[Path]
     bundle_keys: list[Path]

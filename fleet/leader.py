@@ -1,17 +1,10 @@
 """Several ``fleet serve`` nodes on one store: which nodes run, and which one leads.
 
-Every node ingests (the shared subscription spreads the devices over them) and serves the
-bundles; exactly one runs the rollout orchestrator. On PostgreSQL the lead is a
-session-level advisory lock (:data:`LOCK_KEY`) held on a connection of its own: the server
-lets go of it the moment that connection ends (the node was killed, or lost the server),
-and the next node to ask takes it. Taking the lead bumps ``fleet_leader.epoch``, the fencing
-token: every rollout save names the epoch it was decided under and is refused once another
-epoch leads (:class:`fleet.errors.LeadershipLost`), and commands go out only after their
-save, so a node that lost the lead sends nothing more. The leader checks its lock
-connection before every step: cut off from the server, it stops before the server notices
-and frees the lock for another. SQLite holds one node: a second is refused at start.
-
+Every node ingests and serves the bundles; exactly one runs the rollout orchestrator. On
+PostgreSQL the lead is an advisory lock whose taking bumps a fencing epoch
+(:class:`PgLead`); SQLite holds one node and refuses a second (:func:`check_alone`).
 Nodes record themselves in ``fleet_nodes`` every :data:`BEAT_S` (``fleet nodes list``).
+
 Design: ``docs/ARCHITECTURE.md``, "Several nodes".
 """
 
@@ -78,7 +71,19 @@ class SoloLead:
 
 
 class PgLead:
-    """PostgreSQL: the advisory lock :data:`LOCK_KEY` on a connection of this node's own."""
+    """PostgreSQL: the advisory lock :data:`LOCK_KEY` on a connection of this node's own.
+
+    Every node ingests (the shared subscription spreads the devices over them) and serves the
+    bundles; exactly one runs the rollout orchestrator. On PostgreSQL the lead is a
+    session-level advisory lock (:data:`LOCK_KEY`) held on a connection of its own: the server
+    lets go of it the moment that connection ends (the node was killed, or lost the server),
+    and the next node to ask takes it. Taking the lead bumps ``fleet_leader.epoch``, the fencing
+    token: every rollout save names the epoch it was decided under and is refused once another
+    epoch leads (:class:`fleet.errors.LeadershipLost`), and commands go out only after their
+    save, so a node that lost the lead sends nothing more. The leader checks its lock
+    connection before every step: cut off from the server, it stops before the server notices
+    and frees the lock for another. SQLite holds one node: a second is refused at start.
+    """
 
     def __init__(self, url: str, store: OperatorStore, node: str) -> None:
         self._url, self._store, self._node = url, store, node

@@ -1,14 +1,11 @@
 """The model's input contract: does a config deliver each input the way the model learned it?
 
-A model learns its inputs from one acquisition (``training.acquisition`` in its manifest:
-period, resolution, deadband of each source); a signal read another way means something else
-to its features (a 100 ms poll of a signal learned from a 10 ms CAN frame makes every window
-look ``stuck``). :func:`check_contract` compares, per model signal, the training acquisition
-with what a config delivers (``edge_agent.acquisition``) and returns findings: ``error`` past
-the tolerances (:data:`PERIOD_SLOWER`, :data:`PERIOD_FASTER`, :data:`QUANTUM_OF_STEP`,
-:data:`DEADBAND_OF_STEP`, :data:`HOLD_LONGER`, the training range), ``note`` for what it
-cannot check or measured harmless. Pure: data in, findings out. The tolerances were measured
-by ``scripts/contract_evidence.py``; the figures: models/README.md, "Input contract".
+A model learns its inputs from one acquisition (``training.acquisition``: period, resolution,
+deadband of each source); a signal read another way means something else to its features.
+:func:`check_contract` compares, per model signal, the training acquisition with what a
+config delivers (``edge_agent.acquisition``) and returns findings (``error`` past the
+tolerances, ``note`` for what it cannot check). Pure. The tolerances' evidence:
+models/README.md, "Input contract".
 """
 
 from __future__ import annotations

@@ -1,22 +1,23 @@
 """The one error tree of ``models``.
 
-::
-
-    ModelError
-    ├── ModelRejected        the artifact cannot be trusted or used: corrupt, truncated or
-    │                        oversize file, sha256 or tensor shape/quantization different
-    │                        from manifest.json, a manifest key missing or of the wrong type.
-    │                        The caller keeps the model it already runs.
-    └── BackendUnavailable   no TFLite interpreter to run it: the requested backend
-                             (argument or EDGEFLEET_TFLITE_BACKEND) is not installed or unknown
-
 Foreign exceptions (``ValueError``/``RuntimeError`` from an interpreter, ``OSError``,
 ``json.JSONDecodeError``) are turned into these inside :mod:`models.runtime`.
 """
 
 
 class ModelError(Exception):
-    """Root of every error raised by ``models``."""
+    """Root of every error raised by ``models``.
+
+    ::
+
+        ModelError
+        ├── ModelRejected        the artifact cannot be trusted or used: corrupt, truncated or
+        │                        oversize file, sha256 or tensor shape/quantization different
+        │                        from manifest.json, a manifest key missing or of the wrong type.
+        │                        The caller keeps the model it already runs.
+        └── BackendUnavailable   no TFLite interpreter to run it: the requested backend
+                                 (argument or EDGEFLEET_TFLITE_BACKEND) is not installed or unknown
+    """
 
 
 class ModelRejected(ModelError):

@@ -1,29 +1,9 @@
 """The model's input features: a fixed function of one ``(window, n_signals)`` float window.
 
 Pure numpy, shared by training (:mod:`models.dataset`, :mod:`models.train`) and the device
-runtime (:mod:`models.runtime`), so the two can never compute different inputs.
-
-Feature set ``level+asinh_diff+repeat/v1``: ``3 * n_signals`` channels, in this order, for
-signal ``i`` and step ``k`` (``z = (x - mean) / std``):
-
-* ``level[k, i] = clip(z[k, i], -clip, clip)``: the operating point, normalised by the
-  statistics of normal training data. It carries offsets (drift) and the relations between
-  signals (speed follows frequency, vibration follows speed, voltage sags with current).
-* ``diff[k, i] = clip(asinh((z[k, i] - z[k-1, i]) * std[i] / diff_scale[i]), -clip, clip)``,
-  0 at ``k = 0``: the step-to-step change in units of the signal's normal step noise,
-  log-compressed by ``asinh`` so a 1-sigma wiggle and a 100-sigma spike both fit the one int8
-  scale of the input tensor. Measurement noise is far below one int8 step of the level
-  channels (1.5 rpm against a 500 rpm spread); here it spans about 16 steps, which is what
-  makes noise bursts and short spikes visible inside 0.64 s.
-* ``repeat[k, i] = 1.0`` when ``x[k, i] == x[k-1, i]`` exactly, else 0 (0 at ``k = 0``): a
-  live sensor sampled every step practically never repeats a float reading; a frozen
-  (stuck) one does every step. A small ReLU CNN finds "a whole channel of ones" far more
-  reliably than "a whole channel of exactly zero differences".
-
-A value that is not finite (NaN: a signal never seen by perception) counts as the signal's
-normal mean: level 0, no change, and therefore repeating, i.e. it reads as a value held at
-the mean. Perception flags such a signal as stale; the reasoning stage should not trust a
-model alarm on a stale signal.
+runtime (:mod:`models.runtime`), so the two can never compute different inputs. Feature set
+``level+asinh_diff+repeat/v1``: per signal its level, its compressed step change and whether
+it repeats; the definitions and why: :class:`FeatureExtractor`.
 """
 
 from __future__ import annotations
@@ -119,6 +99,28 @@ class FeatureExtractor:
     ``(window, GROUPS * n)`` it is the channel order of :func:`compute_features`.
     :meth:`__call__` is exactly :func:`compute_features`. Both return buffers that the next
     call overwrites: copy them to keep them.
+
+    Feature set ``level+asinh_diff+repeat/v1``: ``3 * n_signals`` channels, in this order, for
+    signal ``i`` and step ``k`` (``z = (x - mean) / std``):
+
+    * ``level[k, i] = clip(z[k, i], -clip, clip)``: the operating point, normalised by the
+      statistics of normal training data. It carries offsets (drift) and the relations between
+      signals (speed follows frequency, vibration follows speed, voltage sags with current).
+    * ``diff[k, i] = clip(asinh((z[k, i] - z[k-1, i]) * std[i] / diff_scale[i]), -clip, clip)``,
+      0 at ``k = 0``: the step-to-step change in units of the signal's normal step noise,
+      log-compressed by ``asinh`` so a 1-sigma wiggle and a 100-sigma spike both fit the one int8
+      scale of the input tensor. Measurement noise is far below one int8 step of the level
+      channels (1.5 rpm against a 500 rpm spread); here it spans about 16 steps, which is what
+      makes noise bursts and short spikes visible inside 0.64 s.
+    * ``repeat[k, i] = 1.0`` when ``x[k, i] == x[k-1, i]`` exactly, else 0 (0 at ``k = 0``): a
+      live sensor sampled every step practically never repeats a float reading; a frozen
+      (stuck) one does every step. A small ReLU CNN finds "a whole channel of ones" far more
+      reliably than "a whole channel of exactly zero differences".
+
+    A value that is not finite (NaN: a signal never seen by perception) counts as the signal's
+    normal mean: level 0, no change, and therefore repeating, i.e. it reads as a value held at
+    the mean. Perception flags such a signal as stale; the reasoning stage should not trust a
+    model alarm on a stale signal.
     """
 
     __slots__ = (

@@ -1,29 +1,10 @@
 """What the model's inputs looked like in training, per signal, and a window's view of it.
 
-The features (:mod:`models.features`) read three things of each signal: its level, its
-step-to-step changes and whether a value repeats the one before. A window whose signal
-sits outside the levels, change sizes or repeat patterns the model was trained on is
-outside its training distribution, and its scores mean little. Per window and signal,
-:func:`window_stats` measures exactly those:
-
-* ``min``, ``max``: the level range (signal units);
-* ``repeat_share``: the share of steps whose value equals the previous one (a 100 ms poll
-  on a 10 ms grid repeats 9 steps in 10; a value every step: none);
-* ``repeat_run``: the longest run of such repeats, in grid steps (a frozen sensor: the
-  whole window; a 200 ms poll: 19);
-* ``step``: the mean absolute change over the steps that changed (0 when none did).
-
-:class:`InputStats` holds their ranges over the normal training windows (and the median
-change, which the input contract compares resolutions and deadbands with). It is stored in
-the manifest under ``training.input_stats``: :mod:`models.train` writes it from its
-training sets; ``scripts/model_input_stats.py`` computed it for the committed models from
-the same generator without retraining (the statistics depend on the data, not on the
-network).
-
-:func:`out_of_training` tells, for one window, which signals are outside those ranges
-widened by :data:`MARGINS` (why those margins: see there). The reasoning stage runs it on
-every window the model scores, through the compiled kernel of :mod:`models.kernels` when
-it can (one call) and this numpy code otherwise; both give the same mask (tested).
+A window whose signal sits outside the levels, change sizes or repeat patterns the model was
+trained on is outside its training distribution, and its scores mean little.
+:func:`window_stats` measures those per window, :class:`InputStats` holds their ranges from
+training (in the manifest), :func:`out_of_training` tells which signals of a window are
+outside them.
 """
 
 from __future__ import annotations
@@ -115,7 +96,15 @@ class SignalInputStats:
 
 @dataclass(frozen=True, slots=True)
 class InputStats:
-    """Per-signal :class:`SignalInputStats` of a model's normal training windows."""
+    """Per-signal :class:`SignalInputStats` of a model's normal training windows.
+
+    :class:`InputStats` holds their ranges over the normal training windows (and the median
+    change, which the input contract compares resolutions and deadbands with). It is stored in
+    the manifest under ``training.input_stats``: :mod:`models.train` writes it from its
+    training sets; ``scripts/model_input_stats.py`` computed it for the committed models from
+    the same generator without retraining (the statistics depend on the data, not on the
+    network).
+    """
 
     windows: int
     source: str
@@ -182,7 +171,21 @@ def window_stats(values: npt.ArrayLike) -> npt.NDArray[np.float64]:
     """Statistics (:data:`STAT_NAMES`) of one window ``(window, n)`` or a batch
     ``(batch, window, n)``: ``(..., n, 5)``. Non-finite values are left out of the level
     range (a column with none has NaN there); every comparison runs in float32 as the
-    features see the values."""
+    features see the values.
+
+    The features (:mod:`models.features`) read three things of each signal: its level, its
+    step-to-step changes and whether a value repeats the one before. A window whose signal
+    sits outside the levels, change sizes or repeat patterns the model was trained on is
+    outside its training distribution, and its scores mean little. Per window and signal,
+    :func:`window_stats` measures exactly those:
+
+    * ``min``, ``max``: the level range (signal units);
+    * ``repeat_share``: the share of steps whose value equals the previous one (a 100 ms poll
+      on a 10 ms grid repeats 9 steps in 10; a value every step: none);
+    * ``repeat_run``: the longest run of such repeats, in grid steps (a frozen sensor: the
+      whole window; a 200 ms poll: 19);
+    * ``step``: the mean absolute change over the steps that changed (0 when none did).
+    """
     x = np.asarray(values, dtype=np.float32)
     if x.ndim not in (2, 3):
         raise _invalid(f"expected a window (window, n) or a batch of them, got {x.shape}")
@@ -237,7 +240,13 @@ def out_of_training(
     """Bit ``i`` set: signal ``i`` of the window ``(window, n)`` is outside its ``bounds``
     row (:meth:`InputStats.bounds`) on any statistic. ``stats`` ``(n, 5)`` receives the
     window's :func:`window_stats`. The numpy reference of the compiled kernel; a column
-    without a finite value is never outside (a never-seen signal is the dropout rule's)."""
+    without a finite value is never outside (a never-seen signal is the dropout rule's).
+
+    :func:`out_of_training` tells, for one window, which signals are outside those ranges
+    widened by :data:`MARGINS` (why those margins: see there). The reasoning stage runs it on
+    every window the model scores, through the compiled kernel of :mod:`models.kernels` when
+    it can (one call) and this numpy code otherwise; both give the same mask (tested).
+    """
     st = window_stats(values)
     stats[:] = st
     lo, hi = st[:, S_MIN], st[:, S_MAX]

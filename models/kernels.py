@@ -8,19 +8,6 @@ one call. The numpy code in :mod:`models.features` and :mod:`models.runtime` sta
 reference and the fallback: the kernels repeat its float32 operations in the same order
 (no fused multiply-add: numba's default keeps each rounding), so the int8 results are the
 same bit for bit, which the test suite checks on both paths.
-
-* :func:`features_int8`: one window of float32 values to the model's int8 input, i.e.
-  ``LoadedModel._quantize_into(FeatureExtractor.groups(values))``.
-* :func:`occlusion_batch_int8`: the alarm path's batch of occluded inputs for the ``median
-  + noise`` reference, i.e. ``ColumnMedian``, then ``LevelOcclusion.at``'s multiply-add,
-  clip and rounding of the level channel, then the two copies into the batch.
-* :func:`input_out_mask`: per window, which signals sit outside the training distribution
-  (:func:`models.input_stats.out_of_training`, ~15 numpy calls in one).
-
-Compiled on first use (:func:`kernels`), ~0.5 s, then cached on disk next to this file
-where it is writable. ``EDGEFLEET_JIT=0`` in the environment, or numba not importable,
-leaves the numpy path. numba costs ~65 MB of resident memory once imported: a gateway
-short of memory can turn it off and pay ~10-30 µs more per window.
 """
 
 from __future__ import annotations
@@ -244,7 +231,16 @@ def input_out_mask(v: Any, bounds: Any, stats: Any) -> int:
 
 
 class Kernels:
-    """The compiled kernels (see the module docstring)."""
+    """The compiled kernels (see the module docstring).
+
+    * :func:`features_int8`: one window of float32 values to the model's int8 input, i.e.
+      ``LoadedModel._quantize_into(FeatureExtractor.groups(values))``.
+    * :func:`occlusion_batch_int8`: the alarm path's batch of occluded inputs for the ``median
+      + noise`` reference, i.e. ``ColumnMedian``, then ``LevelOcclusion.at``'s multiply-add,
+      clip and rounding of the level channel, then the two copies into the batch.
+    * :func:`input_out_mask`: per window, which signals sit outside the training distribution
+      (:func:`models.input_stats.out_of_training`, ~15 numpy calls in one).
+    """
 
     __slots__ = ("features_int8", "input_out_mask", "occlusion_batch_int8")
 
@@ -268,7 +264,13 @@ def jit_enabled() -> bool:
 
 def kernels() -> Kernels | None:
     """The compiled kernels, compiling them on the first call; None without numba or when
-    ``EDGEFLEET_JIT=0``. Thread-safe; call it where a model is loaded, not per window."""
+    ``EDGEFLEET_JIT=0``. Thread-safe; call it where a model is loaded, not per window.
+
+    Compiled on first use (:func:`kernels`), ~0.5 s, then cached on disk next to this file
+    where it is writable. ``EDGEFLEET_JIT=0`` in the environment, or numba not importable,
+    leaves the numpy path. numba costs ~65 MB of resident memory once imported: a gateway
+    short of memory can turn it off and pay ~10-30 µs more per window.
+    """
     if not jit_enabled():
         return None
     with _lock:

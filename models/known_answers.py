@@ -1,23 +1,10 @@
 """Known answers: golden windows and the exact INT8 outputs a model must give for them.
 
 A model can pass every structural check and still compute wrong numbers on a device (an
-emulated CPU feature, a broken delegate or driver), raising or missing alarms with full
-confidence; so every manifest carries a few golden input windows and the int8 outputs
-recorded per machine and kernel set (both change the arithmetic legitimately), compared with
-tolerance 0 before a model is served (:mod:`models.selftest`). A machine with no answers of
-its own passes only if its outputs equal some recorded machine's exactly (fail closed).
-Pure: parsing, describing and comparing. The measurements behind "per machine and kernel
-set": models/README.md, "Runtime and backends". The manifest entry::
-
-    "known_answers": {
-      "definition": "...",
-      "inputs_float32_le_b64": "<base64 of n x window x signals float32, little-endian>",
-      "windows": 16,
-      "tolerance": 0,
-      "outputs": {"x86_64": {"xnnpack": [[int8 x labels] x n], "builtin": [...]},
-                  "aarch64": {...}},
-      "recorded_with": {"x86_64": {...}, ...}      # informational: where, with what
-    }
+emulated CPU feature, a broken delegate), so every manifest carries a few golden windows and
+the int8 outputs recorded per machine and kernel set, compared with tolerance 0 before a
+model is served (:mod:`models.selftest`); a machine with no answers of its own must equal
+some recorded machine's exactly. Pure. The manifest entry: :class:`KnownAnswers`.
 """
 
 from __future__ import annotations
@@ -68,7 +55,29 @@ def _int8_rows(rows: object, n: int, labels: int) -> bool:
 class KnownAnswers:
     """Golden ``inputs`` ``(n, window, signals)`` and per machine (``platform.machine()``)
     and kernel set the int8 outputs ``(n, labels)``; an output passes when
-    ``|actual - expected| <= tolerance``."""
+    ``|actual - expected| <= tolerance``.
+
+    A model can pass every structural check and still compute wrong numbers on a device (an
+    emulated CPU feature, a broken delegate or driver), raising or missing alarms with full
+    confidence; so every manifest carries a few golden input windows and the int8 outputs
+    recorded per machine and kernel set (both change the arithmetic legitimately), compared with
+    tolerance 0 before a model is served (:mod:`models.selftest`). A machine with no answers of
+    its own passes only if its outputs equal some recorded machine's exactly (fail closed).
+    Pure: parsing, describing and comparing. The measurements behind "per machine and kernel
+    set": models/README.md, "Runtime and backends". The manifest entry::
+
+    The manifest entry::
+
+        "known_answers": {
+          "definition": "...",
+          "inputs_float32_le_b64": "<base64 of n x window x signals float32, little-endian>",
+          "windows": 16,
+          "tolerance": 0,
+          "outputs": {"x86_64": {"xnnpack": [[int8 x labels] x n], "builtin": [...]},
+                      "aarch64": {...}},
+          "recorded_with": {"x86_64": {...}, ...}      # informational: where, with what
+        }
+    """
 
     inputs: FloatArray
     expected: Mapping[str, Mapping[str, Int8Array]]

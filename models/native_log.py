@@ -6,10 +6,6 @@ and neither LiteRT 2.3 nor ``tflite_runtime`` honours ``TF_CPP_MIN_LOG_LEVEL`` f
 :func:`runtime_stderr_to_log` points fd 2 at a temporary file while interpreters are made,
 then writes back everything except the runtime's ``INFO:`` lines, which go to this module's
 logger at DEBUG. The runtime's warnings and errors still reach stderr.
-
-fd 2 belongs to the whole process: what another thread writes to stderr meanwhile is held
-and written out right after (late by the time an interpreter takes to build), never lost.
-One redirection at a time (a lock); fd 2 is restored whatever happens inside.
 """
 
 from __future__ import annotations
@@ -32,7 +28,12 @@ _CHATTER = b"INFO: "
 
 @contextlib.contextmanager
 def runtime_stderr_to_log() -> Iterator[None]:
-    """Run the body with the runtime's INFO lines on fd 2 turned into DEBUG log records."""
+    """Run the body with the runtime's INFO lines on fd 2 turned into DEBUG log records.
+
+    fd 2 belongs to the whole process: what another thread writes to stderr meanwhile is held
+    and written out right after (late by the time an interpreter takes to build), never lost.
+    One redirection at a time (a lock); fd 2 is restored whatever happens inside.
+    """
     with _LOCK:
         try:
             saved = os.dup(2)

@@ -1,15 +1,10 @@
 """Runtime adapter: load an INT8 TFLite model with its manifest, check it, run it on windows.
 
 No TensorFlow here: the interpreter comes from LiteRT (``ai_edge_litert``) or
-``tflite_runtime`` (the ``backend`` argument, else ``EDGEFLEET_TFLITE_BACKEND``, else LiteRT
-when importable; a backend asked for by name that cannot be imported raises
-:class:`BackendUnavailable`, never a silent fallback). :func:`load_model` checks the manifest
-(size cap, types and ranges, naming the key), the model file (size cap before reading, size
-and sha256), that the interpreter accepts those very bytes (for ``tflite_runtime``, which
-crashes on a malformed flatbuffer, first in a child process) and the tensors' shapes, dtypes
-and quantization; any failure is :class:`ModelRejected` and the caller keeps the model it
-runs. A :class:`LoadedModel` is not thread-safe (give each thread its own). Backends, XNNPACK
-vs builtin kernels, occlusion and latencies: models/README.md, "Runtime and backends".
+``tflite_runtime``, never by a silent fallback. :func:`load_model` checks everything before
+use; any failure is :class:`ModelRejected` and the caller keeps the model it runs. A
+:class:`LoadedModel` is not thread-safe (give each thread its own). Backends, XNNPACK vs
+builtin kernels, occlusion and latencies: models/README.md, "Runtime and backends".
 """
 
 from __future__ import annotations
@@ -976,6 +971,17 @@ def load_model(
     module docstring) and :class:`BackendUnavailable` when no interpreter can be imported.
     Reading and hashing a few tens of KB is quick, but it is file I/O: an asyncio caller
     should run this in a thread.
+
+    No TensorFlow here: the interpreter comes from LiteRT (``ai_edge_litert``) or
+    ``tflite_runtime`` (the ``backend`` argument, else ``EDGEFLEET_TFLITE_BACKEND``, else LiteRT
+    when importable; a backend asked for by name that cannot be imported raises
+    :class:`BackendUnavailable`, never a silent fallback). :func:`load_model` checks the manifest
+    (size cap, types and ranges, naming the key), the model file (size cap before reading, size
+    and sha256), that the interpreter accepts those very bytes (for ``tflite_runtime``, which
+    crashes on a malformed flatbuffer, first in a child process) and the tensors' shapes, dtypes
+    and quantization; any failure is :class:`ModelRejected` and the caller keeps the model it
+    runs. A :class:`LoadedModel` is not thread-safe (give each thread its own). Backends, XNNPACK
+    vs builtin kernels, occlusion and latencies: models/README.md, "Runtime and backends".
     """
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be an integer >= 1, got {threads!r}")

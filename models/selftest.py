@@ -1,20 +1,8 @@
 """The known-answer self-test: run a model on its golden windows before serving it.
 
-:func:`load_checked` is what the agent calls wherever it loads a model (start, hot swap,
-OTA install, rollback): it loads the model as configured (XNNPACK where the runtime has it),
-runs the manifest's golden windows (:mod:`models.known_answers`) and compares the int8
-outputs with the ones recorded for those kernels. When they differ it loads the same bytes
-on the runtime's builtin int8 kernels (``load_model(xnnpack=False)``) and tests again; if
-that fails too it raises :class:`KnownAnswersFailed` and the caller does not serve the
-model (the agent does not start, or keeps its old model). The result rides on the model as
-``model.selftest`` (:class:`SelfTest`): status, metrics and the log say which kernels serve
-and why.
-
-:func:`record` computes the known answers of a model directory on this machine (both kernel
-sets, LiteRT): ``models.train``, ``scripts/record_known_answers.py`` and ``fleet bundle
-build --kind model`` call it. Golden inputs come from :func:`golden_inputs`: windows of the
-simulated plant (the signals the committed models read) chosen for outputs away from
-saturation, so a wrong sum shows, plus the all-zeros window.
+:func:`load_checked` is what the agent calls wherever it loads a model: golden windows on the
+preferred kernels, then on the builtin ones, and :class:`KnownAnswersFailed` if both answer
+wrong. :func:`record` computes the known answers of a model directory on this machine.
 
 Costs: 16 windows take well under 1 ms on x86 (two loads when falling back), run in the
 caller's thread (the agent calls it from a worker thread).
@@ -116,6 +104,16 @@ def load_checked(
 
     Raises :class:`KnownAnswersFailed` (a :class:`ModelRejected`) when no kernel set gives
     the known answers, and whatever ``load_model`` raises.
+
+    :func:`load_checked` is what the agent calls wherever it loads a model (start, hot swap,
+    OTA install, rollback): it loads the model as configured (XNNPACK where the runtime has it),
+    runs the manifest's golden windows (:mod:`models.known_answers`) and compares the int8
+    outputs with the ones recorded for those kernels. When they differ it loads the same bytes
+    on the runtime's builtin int8 kernels (``load_model(xnnpack=False)``) and tests again; if
+    that fails too it raises :class:`KnownAnswersFailed` and the caller does not serve the
+    model (the agent does not start, or keeps its old model). The result rides on the model as
+    ``model.selftest`` (:class:`SelfTest`): status, metrics and the log say which kernels serve
+    and why.
     """
     where = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
     model = load_model(where, backend=backend, threads=threads, jit=jit)
@@ -228,6 +226,12 @@ def record(model_dir: Path | str, n: int = DEFAULT_WINDOWS, *, fresh: bool = Fal
     the other machines' outputs are kept: the inputs must be the same bytes everywhere, and
     the plant simulation that makes new ones may round differently on another machine.
     ``fresh`` (a newly trained model: old answers mean nothing) makes new inputs.
+
+    :func:`record` computes the known answers of a model directory on this machine (both kernel
+    sets, LiteRT): ``models.train``, ``scripts/record_known_answers.py`` and ``fleet bundle
+    build --kind model`` call it. Golden inputs come from :func:`golden_inputs`: windows of the
+    simulated plant (the signals the committed models read) chosen for outputs away from
+    saturation, so a wrong sum shows, plus the all-zeros window.
     """
     fast = load_model(model_dir, backend="ai_edge_litert")
     plain = load_model(model_dir, backend="ai_edge_litert", xnnpack=False)

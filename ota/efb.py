@@ -4,16 +4,6 @@ Python's ``tarfile`` is made to extract anything it can; a bundle reader must re
 anything it did not expect, before it reads it. So this reads 512-byte headers itself:
 checksum, octal size, member type and name are checked from the header alone, and the
 caller decides from the declared size whether to read the data at all.
-
-Accepted: regular files (``0`` / NUL) in ustar, GNU (``ustar  ``) or pax layout, and pax
-``x``/``g`` headers that carry only times and ownership (what ``tar --format=posix`` adds),
-plus ``path`` in an ``x`` header. Anything that other tar readers would name differently
-(a ``path`` in a global header, a GNU header with a name prefix) is refused too.
-Refused with the member's index and name: links, devices, FIFOs, directories, GNU long
-names, sparse files, base-256 sizes, names that are paths (said in words: absolute, ``..``,
-a folder), and any byte other than zero after the end-of-archive block (what appending to a
-bundle produces). A file whose first block is no tar header at all (random bytes, a
-compressed tar, a wheel) is :data:`NOT_A_BUNDLE`, with why.
 """
 
 from __future__ import annotations
@@ -134,7 +124,18 @@ def _check_name(name: str, index: int) -> str:
 
 
 class BundleReader:
-    """Walks the members of an open bundle file, one header at a time."""
+    """Walks the members of an open bundle file, one header at a time.
+
+    Accepted: regular files (``0`` / NUL) in ustar, GNU (``ustar  ``) or pax layout, and pax
+    ``x``/``g`` headers that carry only times and ownership (what ``tar --format=posix`` adds),
+    plus ``path`` in an ``x`` header. Anything that other tar readers would name differently
+    (a ``path`` in a global header, a GNU header with a name prefix) is refused too.
+    Refused with the member's index and name: links, devices, FIFOs, directories, GNU long
+    names, sparse files, base-256 sizes, names that are paths (said in words: absolute, ``..``,
+    a folder), and any byte other than zero after the end-of-archive block (what appending to a
+    bundle produces). A file whose first block is no tar header at all (random bytes, a
+    compressed tar, a wheel) is :data:`NOT_A_BUNDLE`, with why.
+    """
 
     def __init__(self, f: BinaryIO, size: int) -> None:
         self._f = f

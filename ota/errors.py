@@ -1,34 +1,5 @@
-"""The one error tree of ``ota``: the root of each branch says who is at fault.
-
-::
-
-    OtaError
-     ├── BundleRejected          the bundle is at fault; never retried (``permanent``)
-     │    ├── MalformedBundle    tar layout, sizes, manifest JSON or schema
-     │    ├── SignatureInvalid   signatures missing, malformed, unknown keys, threshold unmet
-     │    ├── BundleExpired      the manifest's ``expires`` has passed
-     │    ├── Incompatible       device type or agent version outside ``compat``
-     │    │    ├── ProbationUnreachable  the probation cannot score its minimum number
-     │    │    │                 of windows at this device's window rate
-     │    │    └── ModelContractUnmet  the model was trained for another acquisition
-     │    │                      than this device's config delivers
-     │    ├── PermissionDenied   the kind's permission or a ``required_permissions`` entry
-     │    │                      is not granted by the device policy
-     │    ├── RollbackRejected   ``counter`` below the committed floor of its kind
-     │    │    └── AlreadyInstalled  ``counter`` equal to the floor: nothing to do
-     │    └── PayloadMismatch    a payload's length or sha256 (or its delta result) differs
-     ├── TrustError              the device's trust root is missing, invalid, expired, or a
-     │                           new root was refused (the TUF rule); nothing is accepted
-     ├── FetchError              the transport failed (transient: retried with backoff)
-     │    ├── FetchStalled       no byte arrived within the stall timeout
-     │    └── FetchTooLarge      the peer sent more than the declared length (permanent)
-     ├── ApplyError              the device could not stage or activate a verified bundle
-     │    ├── StorageError       writing the store or a slot failed (disk full, I/O)
-     │    └── ActivationError    the new version could not be switched in (load, swap)
-     │         └── ModelSelfTestFailed  the model gave wrong answers for its golden
-     │                           windows on every kernel set here: never served
-     └── IllegalTransition       an event the journal's state does not accept (a bug, or a
-                                 stale command); ``ota.machine.step`` raises it
+"""The one error tree of ``ota``, drawn on its root :class:`OtaError`: the root of each
+branch says who is at fault.
 
 Every error carries ``code`` (a short stable name for status reports and the fleet's retry
 policy) and ``permanent`` (true when retrying the same bundle cannot succeed).
@@ -38,7 +9,38 @@ from __future__ import annotations
 
 
 class OtaError(Exception):
-    """Root of every error raised by ``ota``."""
+    """Root of every error raised by ``ota``.
+
+    ::
+
+        OtaError
+         ├── BundleRejected          the bundle is at fault; never retried (``permanent``)
+         │    ├── MalformedBundle    tar layout, sizes, manifest JSON or schema
+         │    ├── SignatureInvalid   signatures missing, malformed, unknown keys, threshold unmet
+         │    ├── BundleExpired      the manifest's ``expires`` has passed
+         │    ├── Incompatible       device type or agent version outside ``compat``
+         │    │    ├── ProbationUnreachable  the probation cannot score its minimum number
+         │    │    │                 of windows at this device's window rate
+         │    │    └── ModelContractUnmet  the model was trained for another acquisition
+         │    │                      than this device's config delivers
+         │    ├── PermissionDenied   the kind's permission or a ``required_permissions`` entry
+         │    │                      is not granted by the device policy
+         │    ├── RollbackRejected   ``counter`` below the committed floor of its kind
+         │    │    └── AlreadyInstalled  ``counter`` equal to the floor: nothing to do
+         │    └── PayloadMismatch    a payload's length or sha256 (or its delta result) differs
+         ├── TrustError              the device's trust root is missing, invalid, expired, or a
+         │                           new root was refused (the TUF rule); nothing is accepted
+         ├── FetchError              the transport failed (transient: retried with backoff)
+         │    ├── FetchStalled       no byte arrived within the stall timeout
+         │    └── FetchTooLarge      the peer sent more than the declared length (permanent)
+         ├── ApplyError              the device could not stage or activate a verified bundle
+         │    ├── StorageError       writing the store or a slot failed (disk full, I/O)
+         │    └── ActivationError    the new version could not be switched in (load, swap)
+         │         └── ModelSelfTestFailed  the model gave wrong answers for its golden
+         │                           windows on every kernel set here: never served
+         └── IllegalTransition       an event the journal's state does not accept (a bug, or a
+                                     stale command); ``ota.machine.step`` raises it
+    """
 
     code = "ota_error"
     permanent = False

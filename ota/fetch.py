@@ -4,20 +4,9 @@
 opens the resource at a byte offset and yields ``(offset, bytes)`` chunks in order, nothing
 else. ``fetch()`` adds everything that must not differ between schemes: the ``.part`` file
 and resume from its size, the cap at the declared length, the stall timeout, retries with
-jittered backoff, the durable rename, and the mapping of every aiohttp / aiocoap / OS error
-to :class:`~ota.errors.FetchError` with a message that names the URL (credentials and query
-removed) and the offset.
-
-Bundles are content-addressed (the URL names the sha256) and the updater names each
-download by a hash of its URL and length (:func:`ota.updater.download_name`), so a resumed
-transfer can never splice two files together; the verifier checks length and sha256 anyway.
-
-CoAP: aiocoap's automatic Block2 reassembly copies the growing body for every block
-(quadratic) and sends one request at a time. Here each block is requested explicitly, as a
-NON request (aiocoap serialises CON requests to one in flight per peer: NSTART=1), with up
-to ``window`` requests in flight, our own per-block retransmission timer, and in-order
-reassembly. Requests after the first reuse the peer's resolved address: resolving the URI
-again per block (a socket connect per route check) cost more than the transfer itself.
+jittered backoff, the durable rename, and every error as a :class:`~ota.errors.FetchError`
+naming the URL (without credentials) and the offset. Design: ``docs/ARCHITECTURE.md``,
+"OTA transport and artifact server".
 """
 
 from __future__ import annotations
@@ -412,6 +401,17 @@ async def fetch(
     byte raise the last error. ``progress`` gets the byte count stored so far. When complete
     the file is fsynced, renamed to ``dest`` and the directory fsynced; ``dest`` is returned.
     ``ssl`` is the TLS context for ``https``; ``coap_window`` the CoAP requests in flight.
+
+    Bundles are content-addressed (the URL names the sha256) and the updater names each
+    download by a hash of its URL and length (:func:`ota.updater.download_name`), so a resumed
+    transfer can never splice two files together; the verifier checks length and sha256 anyway.
+
+    CoAP: aiocoap's automatic Block2 reassembly copies the growing body for every block
+    (quadratic) and sends one request at a time. Here each block is requested explicitly, as a
+    NON request (aiocoap serialises CON requests to one in flight per peer: NSTART=1), with up
+    to ``window`` requests in flight, our own per-block retransmission timer, and in-order
+    reassembly. Requests after the first reuse the peer's resolved address: resolving the URI
+    again per block (a socket connect per route check) cost more than the transfer itself.
     """
     if length < 0:
         raise ValueError(f"length must be >= 0, got {length}")

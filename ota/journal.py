@@ -1,20 +1,11 @@
 """The journal on disk: ``ota/journal.json``, written atomically at every transition, and
 the anti-rollback floors kept a second time in ``ota/floors.json``.
 
-A journal that cannot be read is moved aside (``journal.json.corrupt-<ns>``) and the device
-falls back to its factory versions (an empty journal): running the version that came with
-the image is always consistent, guessing which staged version was meant is not. The
-**floors** are the exception: forgetting them would let any older, still-unexpired signed
-bundle in again as a downgrade. So they are also in ``floors.json`` (small, written durably
-before the journal that raises them, only ever raised), and a load takes the larger of the
-two per kind:
+A journal that cannot be read is moved aside and the device falls back to its factory
+versions; the floors are never forgotten that way: a load takes the larger of the two files
+per kind, and refuses every install when neither can be read (:func:`load_state`).
 
-- journal damaged, floors file readable: the floors come from the file;
-- floors file damaged or missing, journal readable: the journal's floors, file rewritten;
-- neither readable (or the journal damaged and no floors file): the floors are unknown and
-  the load says so (:attr:`Loaded.refused`). The updater then refuses every install until
-  an operator intervenes, and nothing is written or moved, so a restart cannot turn
-  "unknown" into "none": the device keeps serving what it serves.
+Design: ``docs/ARCHITECTURE.md``, "OTA on the device".
 """
 
 from __future__ import annotations
@@ -64,7 +55,23 @@ def load_state(path: Path, *, repair: bool = True) -> Loaded:
     """The journal at ``path`` with the floors of both files merged (module docstring).
 
     ``repair=False`` (a reader such as ``edge-agent ota status``) leaves a damaged file where
-    it is for the agent to deal with and writes nothing."""
+    it is for the agent to deal with and writes nothing.
+
+    A journal that cannot be read is moved aside (``journal.json.corrupt-<ns>``) and the device
+    falls back to its factory versions (an empty journal): running the version that came with
+    the image is always consistent, guessing which staged version was meant is not. The
+    **floors** are the exception: forgetting them would let any older, still-unexpired signed
+    bundle in again as a downgrade. So they are also in ``floors.json`` (small, written durably
+    before the journal that raises them, only ever raised), and a load takes the larger of the
+    two per kind:
+
+    - journal damaged, floors file readable: the floors come from the file;
+    - floors file damaged or missing, journal readable: the journal's floors, file rewritten;
+    - neither readable (or the journal damaged and no floors file): the floors are unknown and
+      the load says so (:attr:`Loaded.refused`). The updater then refuses every install until
+      an operator intervenes, and nothing is written or moved, so a restart cannot turn
+      "unknown" into "none": the device keeps serving what it serves.
+    """
     fpath = floors_path(path)
     journal, jwhy = _read(path, MAX_JOURNAL_BYTES, _parse, "journal")
     floors, fwhy = _read(fpath, MAX_FLOORS_BYTES, _parse_floors, "floors")

@@ -1,29 +1,12 @@
-"""The OTA state machine: pure, table-driven, one update at a time (h11's ``_state.py`` style).
+"""The OTA state machine: pure, table-driven, one update at a time (h11's ``_state.py``)::
 
-::
-
-    idle ──offer──> fetching ──fetched──> verifying ──verified──> staged ──activate──>
-      ^  └──install FILE──────────────────┘   │                     │
-      │                                       └──rejected───────────┴──> idle (failed)
-    activating ──activated──> probation ──passed──> committing ──committed──> idle
-        │                        │  └──abort / failed──> rolling_back ──rolled_back──> idle
-        └──activation_failed─────┴──────────────────────┘          ^
-                                                 committing ──failed──┘ (recovery, agent)
-
-:class:`Journal` is the whole persisted state: the state, the update in flight, and per
-kind the **active** version (the pointer: what runs), the versions kept for rollback and
-the committed anti-rollback **floor**. The pointer switch is the ``activate`` transition
-itself, so "which version is live" and "where the update was" can never disagree: both
-are in one document, written atomically (:mod:`ota.journal`).
-
-:func:`step` applies one event; :func:`recover` says what to do with a journal found at
-start (after a crash): an interrupted fetch/verify/stage is dropped (the old version never
-stopped serving); an interrupted activation or a probation of a model/config is rolled
-back (its evidence died with the process); a probation of an agent build continues (the
-restart is part of activating it); an interrupted commit or rollback is finished. For an
-agent build, probation and commit both first check which build runs: if it is not the new
-one, the launcher gave up on the new slot, and the update is rolled back (recorded so),
-never committed.
+idle ──offer──> fetching ──fetched──> verifying ──verified──> staged ──activate──>
+  ^  └──install FILE──────────────────┘   │                     │
+  │                                       └──rejected───────────┴──> idle (failed)
+activating ──activated──> probation ──passed──> committing ──committed──> idle
+    │                        │  └──abort / failed──> rolling_back ──rolled_back──> idle
+    └──activation_failed─────┴──────────────────────┘          ^
+                                             committing ──failed──┘ (recovery, agent)
 """
 
 from __future__ import annotations
@@ -204,6 +187,13 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Journal:
+    """The whole persisted state: the state, the update in flight, and per
+    kind the **active** version (the pointer: what runs), the versions kept for rollback and
+    the committed anti-rollback **floor**. The pointer switch is the ``activate`` transition
+    itself, so "which version is live" and "where the update was" can never disagree: both
+    are in one document, written atomically (:mod:`ota.journal`).
+    """
+
     state: State = "idle"
     update: Update | None = None
     active: dict[str, Installed] = field(default_factory=dict)
@@ -383,7 +373,16 @@ Action = Literal["none", "drop", "rollback", "continue_probation", "finish_commi
 
 
 def recover(j: Journal, *, running_agent_version: str | None = None) -> tuple[Action, str]:
-    """What to do with the journal found at start, and why (for the status report)."""
+    """What to do with the journal found at start, and why (for the status report).
+
+    After a crash: an interrupted fetch/verify/stage is dropped (the old version never
+    stopped serving); an interrupted activation or a probation of a model/config is rolled
+    back (its evidence died with the process); a probation of an agent build continues (the
+    restart is part of activating it); an interrupted commit or rollback is finished. For an
+    agent build, probation and commit both first check which build runs: if it is not the new
+    one, the launcher gave up on the new slot, and the update is rolled back (recorded so),
+    never committed.
+    """
     s = j.state
     if s == "idle":
         return "none", ""

@@ -6,20 +6,8 @@ stage's P99 under the manifest's ``p99_us`` and within ``regression_pct`` of the
 device's P99 before the update, kept resident memory within ``memory_pct`` of its
 baseline, and answered the health API. No signal is a failure, never a pass.
 
-The regression rule compares *medians* per window (the new version's over the probation
-against the device's own over its last windows before the update), with an absolute slack
-(:data:`SLACK_US`). A probation of a few seconds sees a few to a few hundred windows: their
-P99 is their maximum, one scheduler hiccup, and a 50 µs stage on a shared gateway moves by
-more than 15 % from one second to the next anyway; rolling back on that noise would make
-every update a coin toss. A model that really is slower (the demo's broken v3) moves the
-median by far more. Below :data:`REGRESSION_MIN_WINDOWS` windows the rule is not judged
-(the pass says so): an agent that makes one window every 0.64 s needs a probation of
-13 s or more for it. The manifest's ``p99_us`` stays a hard limit on the P99.
-
-A probation that cannot score ``min_windows`` at the device's window rate could only end
-in "no signal"; :func:`unreachable` says so up front, so such a bundle is refused before it
-is staged (and at ``fleet bundle build`` when the target's rate is known), never rolled
-back after the fact.
+Why the regression rule compares medians: :func:`judge`; a probation that cannot be
+scored is refused up front: :func:`unreachable`.
 """
 
 from __future__ import annotations
@@ -92,6 +80,11 @@ def unreachable(
 
     ``where`` follows the rate (" on this device"); ``raise_what`` names the knob in the
     advice (default ``probation.seconds``; the fleet's CLI says ``--probation-seconds``).
+
+    A probation that cannot score ``min_windows`` at the device's window rate could only end
+    in "no signal"; :func:`unreachable` says so up front, so such a bundle is refused before it
+    is staged (and at ``fleet bundle build`` when the target's rate is known), never rolled
+    back after the fact.
     """
     expected = limits.seconds * windows_per_s
     if expected >= limits.min_windows * (1 - _EPS):
@@ -112,7 +105,18 @@ def judge(
     started_ns: int,
     now_ns: int,
 ) -> tuple[Verdict, str]:
-    """``("pending", "")`` until the deadline unless a hard limit already failed."""
+    """``("pending", "")`` until the deadline unless a hard limit already failed.
+
+    The regression rule compares *medians* per window (the new version's over the probation
+    against the device's own over its last windows before the update), with an absolute slack
+    (:data:`SLACK_US`). A probation of a few seconds sees a few to a few hundred windows: their
+    P99 is their maximum, one scheduler hiccup, and a 50 µs stage on a shared gateway moves by
+    more than 15 % from one second to the next anyway; rolling back on that noise would make
+    every update a coin toss. A model that really is slower (the demo's broken v3) moves the
+    median by far more. Below :data:`REGRESSION_MIN_WINDOWS` windows the rule is not judged
+    (the pass says so): an agent that makes one window every 0.64 s needs a probation of
+    13 s or more for it. The manifest's ``p99_us`` stays a hard limit on the P99.
+    """
     if obs.errors:
         return "fail", f"inference failed {obs.errors} time(s): {obs.last_error}".rstrip(": ")
     enough = obs.model_runs >= limits.min_windows

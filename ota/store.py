@@ -8,11 +8,6 @@ A payload is stored once, under its sha256, and never changed. Two shapes:
   and its layout). Staging a 50 MB bundle therefore writes no payload byte a second time:
   the fetched file is renamed into the store, which spares the device's flash a second
   50 MB write and keeps verify+stage at about the cost of hashing.
-
-Readers (:meth:`ContentStore.read`, :meth:`ContentStore.copy_to`) hash what they hand out
-again and refuse a mismatch (:class:`~ota.errors.StorageError`: the disk's fault), so a
-file damaged at rest is never used. The store is written only by the verifier (through
-:meth:`stage`) and cleaned by :meth:`gc`.
 """
 
 from __future__ import annotations
@@ -49,6 +44,12 @@ def _check_sha(sha: str) -> str:
 
 
 class ContentStore:
+    """Readers (:meth:`ContentStore.read`, :meth:`ContentStore.copy_to`) hash what they hand out
+    again and refuse a mismatch (:class:`~ota.errors.StorageError`: the disk's fault), so a
+    file damaged at rest is never used. The store is written only by the verifier (through
+    :meth:`stage`) and cleaned by :meth:`gc`.
+    """
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self.bundles = root / "bundles"

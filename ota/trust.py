@@ -1,14 +1,5 @@
 """The trust root (``root.json``): who may sign roots and bundles, how many must agree.
 
-The document is TUF-shaped (DESIGN.md section 5)::
-
-    {"signed": {"_type": "root", "version": 1, "expires": "2027-12-01T00:00:00Z",
-                "keys": {"<keyid>": {"keytype": "ecdsa", "scheme": "ecdsa-sha2-nistp256",
-                                     "public": "<PEM>", "expires"?: "<time>"}},
-                "roles": {"root": {"keyids": [...], "threshold": 1},
-                          "bundles": {"keyids": [...], "threshold": 1}}},
-     "signatures": [{"keyid": "<keyid>", "sig": "<base64 DER>"}]}
-
 A key may carry its own ``expires`` (an extension of DESIGN's form): past it, its
 signatures no longer count. A key is revoked by a new root that drops it from a role.
 
@@ -59,7 +50,17 @@ class Role:
 
 @dataclass(frozen=True)
 class TrustRoot:
-    """A parsed and self-consistent root. Only :func:`load_root` and :func:`rotate` make one."""
+    """A parsed and self-consistent root. Only :func:`load_root` and :func:`rotate` make one.
+
+    The document is TUF-shaped (DESIGN.md section 5)::
+
+        {"signed": {"_type": "root", "version": 1, "expires": "2027-12-01T00:00:00Z",
+                    "keys": {"<keyid>": {"keytype": "ecdsa", "scheme": "ecdsa-sha2-nistp256",
+                                         "public": "<PEM>", "expires"?: "<time>"}},
+                    "roles": {"root": {"keyids": [...], "threshold": 1},
+                              "bundles": {"keyids": [...], "threshold": 1}}},
+         "signatures": [{"keyid": "<keyid>", "sig": "<base64 DER>"}]}
+    """
 
     version: int
     expires: datetime

@@ -2,28 +2,11 @@
 
 Order matters and is fixed (as in python-tuf's trusted metadata set): nothing of the
 manifest is believed before its signatures are, and no payload byte is used before the
-manifest is. Step by step:
+manifest is (the steps: :func:`verify_bundle`). Every failure is a typed
+:class:`~ota.errors.BundleRejected` (the bundle's fault), a :class:`~ota.errors.TrustError`
+(the device's root) or a :class:`~ota.errors.StorageError` (its disk), with what and where.
 
-1. a trust root is configured and not expired (no root: every bundle is refused);
-2. the file's size is capped; the first member is ``manifest.json`` and its declared size
-   is capped before a byte of it is read;
-3. the manifest is strict JSON; ``signed`` is signed by a threshold of the root's
-   ``bundles`` keys over its canonical bytes (a key counts once);
-4. ``signed`` is checked field by field; then expiry, compat (device type, agent version),
-   permissions (the device grants the kind's own permission and every listed one),
-   anti-rollback (counter above the kind's floor; equal is "already installed"), and that
-   the probation can score its minimum of windows at the device's window rate;
-5. the members after the manifest are exactly the listed payloads, in the listed order,
-   each with its declared length; each payload's sha256 is computed while streaming;
-   then only zero padding may follow;
-6. a delta payload's sizes are capped and its base must be in the store before any
-   payload byte is read; its patch is checked like any payload, then applied to the base,
-   and the result's length and sha256 are checked before it is kept;
-7. staging: the bundle is kept whole in the content store and its payloads indexed.
-
-Every failure is a typed :class:`~ota.errors.BundleRejected` (the bundle's fault), a
-:class:`~ota.errors.TrustError` (the device's root) or a
-:class:`~ota.errors.StorageError` (the device's disk), with what and where.
+Design: ``docs/ARCHITECTURE.md``, "OTA on the device".
 """
 
 from __future__ import annotations
@@ -214,6 +197,25 @@ def verify_bundle(  # noqa: PLR0915 - the checks in the order the security argum
     hashing: call it in a thread from the event loop. Raises ``BundleRejected``
     (``MalformedBundle``, ``PayloadMismatch``, ``ModelContractUnmet``, ...) for the bundle's
     faults, ``TrustError`` for the device's root, ``StorageError`` for its disk.
+
+    Step by step:
+
+    1. a trust root is configured and not expired (no root: every bundle is refused);
+    2. the file's size is capped; the first member is ``manifest.json`` and its declared size
+       is capped before a byte of it is read;
+    3. the manifest is strict JSON; ``signed`` is signed by a threshold of the root's
+       ``bundles`` keys over its canonical bytes (a key counts once);
+    4. ``signed`` is checked field by field; then expiry, compat (device type, agent version),
+       permissions (the device grants the kind's own permission and every listed one),
+       anti-rollback (counter above the kind's floor; equal is "already installed"), and that
+       the probation can score its minimum of windows at the device's window rate;
+    5. the members after the manifest are exactly the listed payloads, in the listed order,
+       each with its declared length; each payload's sha256 is computed while streaming;
+       then only zero padding may follow;
+    6. a delta payload's sizes are capped and its base must be in the store before any
+       payload byte is read; its patch is checked like any payload, then applied to the base,
+       and the result's length and sha256 are checked before it is kept;
+    7. staging: the bundle is kept whole in the content store and its payloads indexed.
     """
     if root is None:
         raise TrustError("no trust root configured: every bundle is refused")

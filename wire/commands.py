@@ -1,15 +1,9 @@
 """Commands to a device on ``edgefleet/v1/{site}/{device}/cmd/{name}``.
 
-``cmd/ota`` carries an :class:`OtaCommand`: an offer (``install``: where to fetch the
-bundle and how long it is) or a ``rollback``. The offer is only a pointer: the bundle
-itself is verified on the device, so a forged offer can waste a download but never install
-anything.
-
-``cmd/stored`` carries a :class:`StoredCommand`: the seqs of one boot the fleet has
-committed to its store, as ranges. The agent lets go of an outbox row only then (not at
-its broker's PUBACK), so a broker that crashes before saving what it acknowledged loses
-nothing: the agent sends those rows again. Design: ``docs/ARCHITECTURE.md``, "Stored, not
-just delivered".
+``cmd/ota`` carries an :class:`OtaCommand` (an offer or a rollback: a pointer, never trusted
+by itself); ``cmd/stored`` a :class:`StoredCommand` (the seqs of one boot the fleet has
+stored, so the agent lets go of them). Design: ``docs/ARCHITECTURE.md``, "Uplink and fleet
+ingest" (*Stored, not just delivered*).
 """
 
 from __future__ import annotations
@@ -35,6 +29,12 @@ Url = Annotated[str, msgspec.Meta(pattern=r"^(https?|coaps?)://[^\s]{1,2000}$")]
 
 
 class OtaCommand(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """``cmd/ota`` carries an :class:`OtaCommand`: an offer (``install``: where to fetch the
+    bundle and how long it is) or a ``rollback``. The offer is only a pointer: the bundle
+    itself is verified on the device, so a forged offer can waste a download but never install
+    anything.
+    """
+
     action: Literal["install", "rollback"]
     bundle_id: Name
     #: ``install``: the bundle's URL (HTTP(S) with ranges, or CoAP block-wise) and length.
@@ -92,7 +92,14 @@ MAX_STORED_BYTES = 12 * 1024
 
 class StoredCommand(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """``cmd/stored``: the fleet has committed seqs ``first..last`` (inclusive, each range)
-    of boot ``boot_id`` of this device."""
+    of boot ``boot_id`` of this device.
+
+    ``cmd/stored`` carries a :class:`StoredCommand`: the seqs of one boot the fleet has
+    committed to its store, as ranges. The agent lets go of an outbox row only then (not at
+    its broker's PUBACK), so a broker that crashes before saving what it acknowledged loses
+    nothing: the agent sends those rows again. Design: ``docs/ARCHITECTURE.md``, "Stored, not
+    just delivered".
+    """
 
     boot_id: Hex32
     seqs: Annotated[list[tuple[U63, U63]], msgspec.Meta(min_length=1, max_length=MAX_STORED_RANGES)]

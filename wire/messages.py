@@ -4,22 +4,6 @@ Every data message carries the envelope ``device``, ``boot_id`` (32 hex digits, 
 agent start), ``seq`` (per boot, gap-free over the data streams: telemetry, decision,
 ota/status) and ``t_ns`` (UNIX ns). The fleet stores data idempotently on
 ``(device, boot_id, seq)``.
-
-Data seqs start at 0 at every boot. State messages (the retained birth, a clean
-``offline`` and the Last Will) are not part of the seq stream: a Last Will is composed at
-connect time and may never be sent, so it cannot own a number. Their ``seq`` is the
-device's watermark instead: how many data messages it had numbered when the message was
-made (0: none yet; 5: seqs 0..4 exist), so the fleet can report the missing head and tail
-of a boot as gaps, not only the holes between messages it has. The next boot of an agent
-also sends an ``offline`` state of the boot before it (not retained, made just before its
-own birth) with that boot's final count: the epitaph of a boot that was killed.
-
-Payloads are JSON (UTF-8). Unknown fields are rejected, types are exact (an int is not a
-string, a bool is not an int), numbers are finite (JSON has no NaN), sizes are capped
-before parsing, no object repeats a key (msgspec would keep the last one silently), no
-text anywhere holds NUL (PostgreSQL text cannot, SQLite could: the stores must agree), and
-no value is nested deeper than :data:`MAX_DEPTH` levels (the free-form ``detail``).
-:func:`decode` turns every problem into :class:`WireError` naming where.
 """
 
 from __future__ import annotations
@@ -79,6 +63,15 @@ class StateMsg(Envelope, kw_only=True, frozen=True):
     ``model_health`` is absent while the model is healthy (and from older agents): an
     ``online`` state is published again, retained, whenever it changes, so the fleet's
     registry holds the current one.
+
+    Data seqs start at 0 at every boot. State messages (the retained birth, a clean
+    ``offline`` and the Last Will) are not part of the seq stream: a Last Will is composed at
+    connect time and may never be sent, so it cannot own a number. Their ``seq`` is the
+    device's watermark instead: how many data messages it had numbered when the message was
+    made (0: none yet; 5: seqs 0..4 exist), so the fleet can report the missing head and tail
+    of a boot as gaps, not only the holes between messages it has. The next boot of an agent
+    also sends an ``offline`` state of the boot before it (not retained, made just before its
+    own birth) with that boot's final count: the epitaph of a boot that was killed.
     """
 
     state: Literal["online", "offline"]
@@ -331,7 +324,15 @@ def _unchecked_by_msgspec(msg: Message, payload: bytes) -> None:
 
 
 def decode(kind: str, payload: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> Message:
-    """Parse and check ``payload`` as a message of topic kind ``kind``. Raises WireError."""
+    """Parse and check ``payload`` as a message of topic kind ``kind``. Raises WireError.
+
+    Payloads are JSON (UTF-8). Unknown fields are rejected, types are exact (an int is not a
+    string, a bool is not an int), numbers are finite (JSON has no NaN), sizes are capped
+    before parsing, no object repeats a key (msgspec would keep the last one silently), no
+    text anywhere holds NUL (PostgreSQL text cannot, SQLite could: the stores must agree), and
+    no value is nested deeper than :data:`MAX_DEPTH` levels (the free-form ``detail``).
+    :func:`decode` turns every problem into :class:`WireError` naming where.
+    """
     if len(payload) > max_bytes:
         raise WireError(f"payload is {len(payload)} bytes; expected at most {max_bytes}")
     msg: Message | None = None

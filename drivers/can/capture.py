@@ -4,11 +4,6 @@ A real capture has torn last lines, comments and the odd garbled record. A malfo
 raises :class:`MalformedLine` with a short reason (``timestamp``, ``id``, ``data``, ...); the
 :class:`CaptureReader` either stops there (``strict``) or counts it per reason and reads on,
 so one bad line never costs the rest of the file.
-
-candump lines are parsed here (:func:`parse_candump_line`), strictly: python-can's reader
-pads a data field with an odd number of hex digits (``700#D02341AF870`` became 6 bytes ending
-``0x00``) and lets a 3-digit id past 0x7FF through. ``.asc`` lines go through python-can's
-``ASCReader``, which keeps the header's state (number base, start time) across lines.
 """
 
 from __future__ import annotations
@@ -57,6 +52,11 @@ def parse_candump_line(line: str) -> can.Message | None:
     The format is ``(SECONDS) IFACE FRAME [R|T]`` where FRAME is ``ID#DATA`` (classic),
     ``ID#R[DLC]`` (remote) or ``ID##F DATA`` (CAN FD, F the flags nibble); ``ID`` has 3 hex
     digits (11-bit) or 8 (29-bit, or an error frame with the error flag set).
+
+    candump lines are parsed here (:func:`parse_candump_line`), strictly: python-can's reader
+    pads a data field with an odd number of hex digits (``700#D02341AF870`` became 6 bytes ending
+    ``0x00``) and lets a 3-digit id past 0x7FF through. ``.asc`` lines go through python-can's
+    ``ASCReader``, which keeps the header's state (number base, start time) across lines.
     """
     text = line.strip()
     if not text or text.startswith(_COMMENTS):

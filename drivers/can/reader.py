@@ -6,15 +6,6 @@ decodes it and hands samples to the buffer in batches. Per-frame hand-off to the
 (``call_soon_threadsafe`` for each of 8,000 frames/s) costs more than the decoding; a
 batch is flushed when it is :data:`FLUSH_INTERVAL_S` old, holds :data:`MAX_BATCH`
 samples, or the bus goes quiet, so a sample waits at most a couple of milliseconds.
-
-Faults: ``can.CanError`` or ``OSError`` from opening or reading the bus (bus error,
-bus-off reported by the driver, a USB adapter unplugged, ``can0`` taken down) close the
-bus, are counted in ``bus_errors``, and the bus is reopened after a jittered backoff
-between ``backoff_min_ms`` and ``backoff_max_ms``; the source keeps running. Only a
-configuration the bus can never accept (unknown interface, bad options) ends ``run()``,
-with :class:`DriverConfigError`; any other exception is a bug and ends it with
-:class:`CanError`. Error frames are counted, not acted on: a controller that goes bus-off
-is restarted by the kernel (``restart-ms``), not by reopening a socket.
 """
 
 import logging
@@ -85,6 +76,15 @@ class CanSource:
 
     Raises :class:`DriverConfigError` at construction for an unusable DBC, an unknown
     signal name or an unknown interface.
+
+    Faults: ``can.CanError`` or ``OSError`` from opening or reading the bus (bus error,
+    bus-off reported by the driver, a USB adapter unplugged, ``can0`` taken down) close the
+    bus, are counted in ``bus_errors``, and the bus is reopened after a jittered backoff
+    between ``backoff_min_ms`` and ``backoff_max_ms``; the source keeps running. Only a
+    configuration the bus can never accept (unknown interface, bad options) ends ``run()``,
+    with :class:`DriverConfigError`; any other exception is a bug and ends it with
+    :class:`CanError`. Error frames are counted, not acted on: a controller that goes bus-off
+    is restarted by the kernel (``restart-ms``), not by reopening a socket.
     """
 
     def __init__(

@@ -6,9 +6,6 @@ grid of "now", checks staleness against "now" and the uplink stamps windows with
 so samples from 2021 would all read as hours stale, and a looping replay would run time
 backwards at each wrap. The recorded timing survives as the spacing between emissions
 (scaled by ``speed``); the recorded absolute times are not kept.
-
-The capture is read lazily in a dedicated thread (python-can's readers are line-based
-generators), so a multi-gigabyte capture neither fills memory nor blocks the loop.
 """
 
 import asyncio
@@ -58,6 +55,9 @@ class ReplaySource:
     :class:`ReplayError` for a missing, unreadable or unknown-format capture, and
     :class:`DriverConfigError` for a bad DBC or speed; a capture with no frame at all (or,
     when strict, one malformed further in) raises :class:`ReplayError` from ``run()``.
+
+    The capture is read lazily in a dedicated thread (python-can's readers are line-based
+    generators), so a multi-gigabyte capture neither fills memory nor blocks the loop.
     """
 
     def __init__(self, spec: ReplaySpec) -> None:

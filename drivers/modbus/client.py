@@ -4,27 +4,6 @@ pymodbus changes its API between minor releases (``slave=`` became ``device_id=`
 timeouts moved, exceptions come back as reply objects or as raised ``ModbusIOException``
 depending on the failure), so everything version-specific lives here and the poller sees one
 call, :meth:`ModbusClient.read`, and one error tree, :mod:`drivers.errors`.
-
-Behaviour of pymodbus 3.11.4 this adapter relies on (re-check when the pin moves):
-
-* A request times out after ``timeout`` (the same value bounds the connect) and is retried
-  ``retries`` times; we use ``retries=0`` because the poller owns retry policy (backoff).
-* A timeout is *raised* as ``ModbusIOException("No response received ...")``; an exception
-  reply is *returned* as an ``ExceptionResponse`` with ``isError()`` true.
-* ``TransactionManager.execute`` turns the ``CancelledError`` of its waiting task into
-  ``ModbusIOException("Request cancelled outside pymodbus.")``. Swallowing that would break
-  ``TaskGroup`` shutdown, so we turn it back into ``CancelledError``.
-* After ``retries + 3`` consecutive unanswered requests pymodbus closes the TCP connection
-  itself. With ``reconnect_delay=0`` it does not start its own (untracked) reconnect task;
-  :meth:`ModbusClient.read` reconnects on the next call instead.
-* On Python 3.11, ``asyncio.wait_for`` inside ``execute`` returns a reply that arrived in
-  the same loop iteration as a cancellation and swallows the ``CancelledError``; we check
-  ``Task.cancelling()`` after every reply and raise it again.
-* A connection lost mid-request is not reported to the waiting request; it runs into its
-  timeout. We notice the disconnect (``trace_connect``) and report a connection error.
-* ``connect()`` logs why a connect failed and returns ``False``. We wrap its transport's
-  ``call_create`` to keep the ``OSError``/timeout, so the error says "connection refused"
-  or "no route to host" rather than only "cannot connect".
 """
 
 import asyncio
@@ -89,6 +68,27 @@ class ModbusClient:
 
     For ``transport="rtu"``, ``spec.device`` is a serial device or any pyserial URL, e.g.
     ``socket://10.0.0.5:4001`` for RTU frames tunnelled through a serial-to-TCP converter.
+
+    Behaviour of pymodbus 3.11.4 this adapter relies on (re-check when the pin moves):
+
+    * A request times out after ``timeout`` (the same value bounds the connect) and is retried
+      ``retries`` times; we use ``retries=0`` because the poller owns retry policy (backoff).
+    * A timeout is *raised* as ``ModbusIOException("No response received ...")``; an exception
+      reply is *returned* as an ``ExceptionResponse`` with ``isError()`` true.
+    * ``TransactionManager.execute`` turns the ``CancelledError`` of its waiting task into
+      ``ModbusIOException("Request cancelled outside pymodbus.")``. Swallowing that would break
+      ``TaskGroup`` shutdown, so we turn it back into ``CancelledError``.
+    * After ``retries + 3`` consecutive unanswered requests pymodbus closes the TCP connection
+      itself. With ``reconnect_delay=0`` it does not start its own (untracked) reconnect task;
+      :meth:`ModbusClient.read` reconnects on the next call instead.
+    * On Python 3.11, ``asyncio.wait_for`` inside ``execute`` returns a reply that arrived in
+      the same loop iteration as a cancellation and swallows the ``CancelledError``; we check
+      ``Task.cancelling()`` after every reply and raise it again.
+    * A connection lost mid-request is not reported to the waiting request; it runs into its
+      timeout. We notice the disconnect (``trace_connect``) and report a connection error.
+    * ``connect()`` logs why a connect failed and returns ``False``. We wrap its transport's
+      ``call_create`` to keep the ``OSError``/timeout, so the error says "connection refused"
+      or "no route to host" rather than only "cannot connect".
     """
 
     def __init__(self, spec: ModbusSpec) -> None:

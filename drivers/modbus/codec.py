@@ -1,30 +1,10 @@
 """Register words <-> values for every type and word/byte order. Pure, no I/O.
 
-Orders name the byte layout of a 32-bit value whose big-endian bytes are ``A B C D``:
+:func:`decode_raw` says what the orders ``ABCD``, ``CDAB``, ``BADC`` and ``DCBA`` mean for
+16-, 32- and 64-bit values and for the bits of a register; :func:`decode`, what precision a
+value keeps once it is a sample.
 
-=====  ==========================  ==========================
-order  registers on the wire        meaning
-=====  ==========================  ==========================
-ABCD   ``AB CD``                    big-endian (the Modbus default)
-CDAB   ``CD AB``                    words swapped ("word swap", many PLCs)
-BADC   ``BA DC``                    bytes swapped inside each word
-DCBA   ``DC BA``                    fully little-endian
-=====  ==========================  ==========================
-
-The same two switches (reverse word order, swap bytes in a word) apply to 16- and 64-bit
-values, so ``CDAB`` on a float64 ``A..H`` is ``GH EF CD AB``. A one-register value has no
-word order: ``ABCD`` = ``CDAB`` and ``BADC`` = ``DCBA`` (its two bytes swapped). ``bool`` and
-``bitfield`` on a holding/input register are one-register values too: the word is put in
-order first and ``bit``/``bits`` count from its least significant bit, so bits 0-7 of a
-``BADC`` register are the first byte on the wire (the high byte of the word as read).
-Coils and discrete inputs are single bits; an order on them is refused.
-
-:func:`decode_raw` gives integer types as an exact ``int`` (``edge-agent read`` shows a
-64-bit value as the device sent it). :func:`decode` and the poller's :func:`decoder` give
-``raw * scale + offset`` as a ``float``, a sample's value: exact for integers up to 2^53
-there, and up to 2^24 once perception puts it in a float32 window (what memory and
-telemetry carry: about 7 significant digits). That is why the config asks for an explicit
-``scale`` on int64/uint64 registers.
+Design: ``docs/ARCHITECTURE.md``, "Modbus polling".
 """
 
 import struct
@@ -85,6 +65,25 @@ def decode_raw(spec: RegisterSpec, registers: Sequence[int]) -> int | float:
     """The raw (unscaled) value of ``spec`` from exactly ``spec.width`` register words.
 
     Exact: an ``int`` for integer types, bools and bitfields, a ``float`` for float types.
+
+    Orders name the byte layout of a 32-bit value whose big-endian bytes are ``A B C D``:
+
+    =====  ==========================  ==========================
+    order  registers on the wire        meaning
+    =====  ==========================  ==========================
+    ABCD   ``AB CD``                    big-endian (the Modbus default)
+    CDAB   ``CD AB``                    words swapped ("word swap", many PLCs)
+    BADC   ``BA DC``                    bytes swapped inside each word
+    DCBA   ``DC BA``                    fully little-endian
+    =====  ==========================  ==========================
+
+    The same two switches (reverse word order, swap bytes in a word) apply to 16- and 64-bit
+    values, so ``CDAB`` on a float64 ``A..H`` is ``GH EF CD AB``. A one-register value has no
+    word order: ``ABCD`` = ``CDAB`` and ``BADC`` = ``DCBA`` (its two bytes swapped). ``bool`` and
+    ``bitfield`` on a holding/input register are one-register values too: the word is put in
+    order first and ``bit``/``bits`` count from its least significant bit, so bits 0-7 of a
+    ``BADC`` register are the first byte on the wire (the high byte of the word as read).
+    Coils and discrete inputs are single bits; an order on them is refused.
     """
     if len(registers) != spec.width:
         raise ValueError(f"{spec.name}: expected {spec.width} registers, got {len(registers)}")
@@ -98,7 +97,15 @@ def decode_raw(spec: RegisterSpec, registers: Sequence[int]) -> int | float:
 
 
 def decode(spec: RegisterSpec, registers: Sequence[int]) -> float:
-    """The scaled value: ``raw * scale + offset``, a float (the sample's value)."""
+    """The scaled value: ``raw * scale + offset``, a float (the sample's value).
+
+    :func:`decode_raw` gives integer types as an exact ``int`` (``edge-agent read`` shows a
+    64-bit value as the device sent it). :func:`decode` and the poller's :func:`decoder` give
+    ``raw * scale + offset`` as a ``float``, a sample's value: exact for integers up to 2^53
+    there, and up to 2^24 once perception puts it in a float32 window (what memory and
+    telemetry carry: about 7 significant digits). That is why the config asks for an explicit
+    ``scale`` on int64/uint64 registers.
+    """
     return decode_raw(spec, registers) * spec.scale + spec.offset
 
 

@@ -4,19 +4,6 @@ One task per port. A serial line carries one request at a time, and pymodbus ser
 requests on a TCP connection too, so a single loop that picks the next due block is both
 the simplest and the fastest design: no locks, no per-unit tasks racing for the port.
 
-Fault handling, by who is at fault:
-
-* **A unit** (no answer, garbled answer, or a gateway saying the unit is unreachable): the
-  unit goes into jittered exponential backoff and its blocks are skipped until the backoff
-  expires; then one block is sent as a probe. Other units keep their schedule; the only time
-  a dead unit costs them is its probe's timeout.
-* **The register map** (exception reply, e.g. code 2 "illegal data address"): the unit is
-  alive, so it is not backed off; the code is counted and logged when it changes. A
-  coalesced block refused with code 2 is split into one read per value once, because the
-  hole between two values is usually what the device does not map.
-* **The port** (cannot connect, connection lost): every unit waits (``unreachable``), the
-  port backs off and reconnects; each successful reconnect is counted.
-
 The source is ``up`` only while the port is open and at least one unit answers: data that
 came in before the device went away does not make it up.
 """
@@ -105,6 +92,19 @@ class ModbusSource:
     ``run`` only ends by cancellation; every Modbus fault is ridden out and counted in
     :meth:`stats`. Raises :class:`drivers.errors.DriverConfigError` at construction for a
     register map that cannot be polled. ``rng`` makes backoff jitter reproducible in tests.
+
+    Fault handling, by who is at fault:
+
+    * **A unit** (no answer, garbled answer, or a gateway saying the unit is unreachable): the
+      unit goes into jittered exponential backoff and its blocks are skipped until the backoff
+      expires; then one block is sent as a probe. Other units keep their schedule; the only time
+      a dead unit costs them is its probe's timeout.
+    * **The register map** (exception reply, e.g. code 2 "illegal data address"): the unit is
+      alive, so it is not backed off; the code is counted and logged when it changes. A
+      coalesced block refused with code 2 is split into one read per value once, because the
+      hole between two values is usually what the device does not map.
+    * **The port** (cannot connect, connection lost): every unit waits (``unreachable``), the
+      port backs off and reconnects; each successful reconnect is counted.
     """
 
     def __init__(self, spec: ModbusSpec, *, rng: random.Random | None = None) -> None:

@@ -1,24 +1,12 @@
 """A motor drive as a pure function of ``(seed, anomalies, t)``. No I/O, no wall clock.
 
 The plant is a 4-pole induction motor on a VFD (400 V mains, ~11 kW, ~20 A rated) driving a
-partly fan-like load through a duty cycle: stopped for the first 5 s, then a new frequency
-setpoint every 20-60 s (sometimes 0 = stop), reached on a 5 Hz/s ramp.
+partly fan-like load through a duty cycle; its six signals and their models are listed on
+:class:`MotorPlant`. Values are sample-and-hold on a 100 Hz step grid and bit-identical
+whatever the order of queries; anomalies change the *measured* value of one signal, never the
+physics.
 
-==============  =====  ====================================================================
-signal          unit   model
-==============  =====  ====================================================================
-``voltage``     V      mains ~400 V, slow sinusoidal wander, small dip under current
-``current``     A      ``sqrt(I_mag² + I_torque²)``; torque = load + acceleration
-``frequency``   Hz     VFD output: linear ramps between setpoints
-``speed``       rpm    ``30·f`` (synchronous, 4 poles) minus slip proportional to torque
-``temperature`` °C     winding: first-order lag (τ = 300 s) towards ``ambient + R·I²``
-``vibration``   mm/s   RMS: base + ``∝ speed²`` + a structural resonance near 1040 rpm
-==============  =====  ====================================================================
-
-Values are sample-and-hold on a 100 Hz step grid and bit-identical whatever the order of
-queries; anomalies (``noise``, ``drift``, ``spike``, ``stuck``, ``dropout``) change the
-*measured* value of one signal, never the physics. How determinism is kept and what each
-anomaly does: docs/ARCHITECTURE.md, "The plant simulator".
+Design: ``docs/ARCHITECTURE.md``, "The plant simulator".
 """
 
 import bisect
@@ -339,6 +327,26 @@ class MotorPlant:
     Queries are cheap (tens of microseconds) and deterministic: the same ``(seed,
     anomalies, t)`` gives a bit-identical answer on any instance, in any query order. Not
     thread-safe (it caches); give each thread its own plant.
+
+    The plant is a 4-pole induction motor on a VFD (400 V mains, ~11 kW, ~20 A rated) driving a
+    partly fan-like load through a duty cycle: stopped for the first 5 s, then a new frequency
+    setpoint every 20-60 s (sometimes 0 = stop), reached on a 5 Hz/s ramp.
+
+    ==============  =====  ====================================================================
+    signal          unit   model
+    ==============  =====  ====================================================================
+    ``voltage``     V      mains ~400 V, slow sinusoidal wander, small dip under current
+    ``current``     A      ``sqrt(I_mag² + I_torque²)``; torque = load + acceleration
+    ``frequency``   Hz     VFD output: linear ramps between setpoints
+    ``speed``       rpm    ``30·f`` (synchronous, 4 poles) minus slip proportional to torque
+    ``temperature`` °C     winding: first-order lag (τ = 300 s) towards ``ambient + R·I²``
+    ``vibration``   mm/s   RMS: base + ``∝ speed²`` + a structural resonance near 1040 rpm
+    ==============  =====  ====================================================================
+
+    Values are sample-and-hold on a 100 Hz step grid and bit-identical whatever the order of
+    queries; anomalies (``noise``, ``drift``, ``spike``, ``stuck``, ``dropout``) change the
+    *measured* value of one signal, never the physics. How determinism is kept and what each
+    anomaly does: docs/ARCHITECTURE.md, "The plant simulator".
     """
 
     def __init__(self, seed: int, anomalies: Sequence[Anomaly] = ()) -> None:

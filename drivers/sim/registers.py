@@ -3,29 +3,11 @@
 Mixed types and word orders on purpose, like a real drive, so the poller's codec paths are
 exercised end to end. Addresses are protocol (0-based) addresses. ``value = raw * scale``.
 
-=========  ====  =======================  ===========  =====  =====  =====  ==================
-function   addr  name                     type         order  scale  unit   notes
-=========  ====  =======================  ===========  =====  =====  =====  ==================
-holding    0-1   ``voltage``              float32      CDAB   1      V      word-swapped float
-holding    2-3   ``current``              float32      CDAB   1      A
-holding    4     ``frequency``            uint16              0.01   Hz
-holding    5     ``speed``                int16               1      rpm
-holding    6     ``temperature``          int16               0.1    degC
-holding    7     ``vibration``            uint16              0.01   mm/s
-holding    8     ``ramp_state``           bitfield b0-1       1             0 steady, 1 accel,
-                                                                            2 decel
-holding    8     ``at_setpoint``          bitfield b2         1
-holding    8     ``overtemp_warning``     bitfield b3         1             drive thermal model
-holding    9     ``frequency_setpoint``   uint16              0.01   Hz
-input      0-1   ``uptime``               uint32       ABCD   1      s      plant seconds
-input      2     ``ambient_temperature``  int16               0.1    degC
-coil       0     ``running``              bool                              output frequency > 0
-=========  ====  =======================  ===========  =====  =====  =====  ==================
-
 Values outside a register's range saturate at its limits (a 4-20 mA transmitter does the
 same), so a large drift never wraps around. A signal the plant does not report (``dropout``)
 is simply not written: the register keeps its last value, as a drive whose sensor died
-keeps serving its last reading.
+keeps serving its last reading. The map as a table: ``docs/ARCHITECTURE.md``, "The plant
+simulator".
 """
 
 from collections.abc import Mapping

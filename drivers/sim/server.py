@@ -1,25 +1,10 @@
 """The plant on real field buses: a Modbus TCP server and a CAN frame generator.
 
 :class:`PlantSimulator` is what tests and the demo start; :func:`serve` is what
-``edge-agent simulate`` runs. Both put one :class:`~drivers.sim.plant.MotorPlant` on:
-
-* a pymodbus TCP server (unit 1, the map in :mod:`drivers.sim.registers`) whose datastore is
-  rewritten from the plant every ``update_period_s`` (10 ms);
-* a python-can bus (any interface by name; ``virtual`` in tests) carrying the messages of a
-  DBC (:data:`MOTOR_DRIVE_DBC` by default) at each message's ``GenMsgCycleTime``, encoded
-  with cantools.
-
-Plant time is ``start_at_s + (now - start) * speed``; bus rates stay in wall-clock time, so
-``speed = 10`` shows ten plant seconds per second at unchanged frame rates.
-
-One task does all the work: each tick (default 10 ms) evaluates the plant once, writes the
-registers, and sends the frames that are due. A late tick is skipped rather than replayed, so
-a busy gateway sees fewer frames, never a burst. A frame is not sent while any plant signal it
-carries is in a ``dropout``; the registers of a dropped signal keep their last value.
-
-Interface notes: python-can's ``virtual`` bus only connects buses in the same process. To
-feed an agent in another process use ``socketcan`` on a ``vcan`` device, or
-``udp_multicast`` with a multicast group as the channel (e.g. ``239.74.163.2``).
+``edge-agent simulate`` runs. Both put one :class:`~drivers.sim.plant.MotorPlant` on a
+pymodbus TCP server and a python-can bus, one task ticking every 10 ms (what each carries
+and when: :class:`PlantSimulator`). Plant time is ``start_at_s + (now - start) * speed``;
+bus rates stay in wall-clock time.
 """
 
 import asyncio
@@ -160,6 +145,26 @@ class PlantSimulator:
     option, DBC or CAN interface name, :class:`ModbusConnectionError` when the port cannot be
     bound and :class:`CanBusError` when the CAN channel cannot be opened. Leaving the block,
     or cancellation, stops the update task, closes the server and shuts the bus down.
+
+    The plant goes on:
+
+    * a pymodbus TCP server (unit 1, the map in :mod:`drivers.sim.registers`) whose datastore is
+      rewritten from the plant every ``update_period_s`` (10 ms);
+    * a python-can bus (any interface by name; ``virtual`` in tests) carrying the messages of a
+      DBC (:data:`MOTOR_DRIVE_DBC` by default) at each message's ``GenMsgCycleTime``, encoded
+      with cantools.
+
+    Plant time is ``start_at_s + (now - start) * speed``; bus rates stay in wall-clock time, so
+    ``speed = 10`` shows ten plant seconds per second at unchanged frame rates.
+
+    One task does all the work: each tick (default 10 ms) evaluates the plant once, writes the
+    registers, and sends the frames that are due. A late tick is skipped rather than replayed, so
+    a busy gateway sees fewer frames, never a burst. A frame is not sent while any plant signal it
+    carries is in a ``dropout``; the registers of a dropped signal keep their last value.
+
+    Interface notes: python-can's ``virtual`` bus only connects buses in the same process. To
+    feed an agent in another process use ``socketcan`` on a ``vcan`` device, or
+    ``udp_multicast`` with a multicast group as the channel (e.g. ``239.74.163.2``).
     """
 
     def __init__(

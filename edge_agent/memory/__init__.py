@@ -1,14 +1,10 @@
 """Memory stage: working memory (RAM ring), episodic store (SQLite WAL, delta-encoded state
 changes, decisions, events), semantic memory (per-signal baselines), aging, snapshots.
 
-Public API::
-
-    MemorySection          the ``[memory]`` config section (edge_agent.memory.config)
-    MemoryStage            process(window, decision, now_ns) -> MemoryContext; start/run/flush/close
-    MemoryContext          what reasoning gets with each window
-    memory_app             the ``edge-agent memory`` typer sub-app (edge_agent.memory.cli)
-
-See ``docs/ARCHITECTURE.md`` ("Memory") for the storage layout and the policies.
+:class:`MemoryStage` (``process(window, decision, now_ns) -> MemoryContext``) is the stage,
+:class:`MemorySection` its ``[memory]`` config section, :class:`MemoryContext` what reasoning
+gets with each window, ``memory_app`` the ``edge-agent memory`` sub-app.
+Storage layout and policies: ``docs/MEMORY.md``.
 """
 
 from edge_agent.memory.config import MemorySection

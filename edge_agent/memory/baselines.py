@@ -4,19 +4,7 @@ For each signal we keep an exponentially decayed *weight*, *mean* and *M2* (sum 
 deviations, so ``variance = M2 / weight``), a faster decayed mean for drift, the min and max
 ever seen, when the signal was last finite, and how many finite cells went in.
 
-Decay is by data time: before a window ending at ``t`` is folded in, everything so far is
-multiplied by ``0.5 ** ((t - updated) / half_life)``. A window is one batch (its rows count
-as simultaneous, which is exact enough while the window is much shorter than the half-life)
-merged with Chan's parallel formula, so one update is a handful of numpy calls whatever the
-window size. Non-finite cells are ignored and counted.
-
-``drift`` is ``(fast_mean - mean) / std``: how many baseline standard deviations the recent
-level has moved. ``normalize`` is ``(x - mean) / std``. Both use a floor on ``std``
-(``1e-6 * max(1, |mean|)``) so a signal that has been constant so far does not divide by 0.
-
-:meth:`Baselines.update_held` folds in "value ``x`` held for ``d`` ns" as ``d / period``
-points: that is how baselines are consolidated from the episodic store's state changes
-when none were persisted (a new store, a migration).
+Design: ``docs/MEMORY.md``, "Semantic memory (baselines)".
 """
 
 from __future__ import annotations
@@ -56,7 +44,22 @@ class Baseline:
 
 
 class Baselines:
-    """Baselines of ``n`` signals (columns). See the module docstring."""
+    """Baselines of ``n`` signals (columns). See the module docstring.
+
+    Decay is by data time: before a window ending at ``t`` is folded in, everything so far is
+    multiplied by ``0.5 ** ((t - updated) / half_life)``. A window is one batch (its rows count
+    as simultaneous, which is exact enough while the window is much shorter than the half-life)
+    merged with Chan's parallel formula, so one update is a handful of numpy calls whatever the
+    window size. Non-finite cells are ignored and counted.
+
+    ``drift`` is ``(fast_mean - mean) / std``: how many baseline standard deviations the recent
+    level has moved. ``normalize`` is ``(x - mean) / std``. Both use a floor on ``std``
+    (``1e-6 * max(1, |mean|)``) so a signal that has been constant so far does not divide by 0.
+
+    :meth:`Baselines.update_held` folds in "value ``x`` held for ``d`` ns" as ``d / period``
+    points: that is how baselines are consolidated from the episodic store's state changes
+    when none were persisted (a new store, a migration).
+    """
 
     def __init__(self, n: int, *, half_life_s: float, drift_half_life_s: float) -> None:
         if n < 1 or half_life_s <= 0 or drift_half_life_s <= 0:

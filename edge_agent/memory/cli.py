@@ -1,14 +1,12 @@
 """``edge-agent memory``: look into the memory store from a shell, list and restore snapshots.
 
-The store is found through the agent config (``--config``, its ``[memory]`` section and
-``agent.state_dir``) or given directly with ``--db`` (snapshots then default to
-``memory-snapshots/`` next to it, or ``--snapshot-dir``). Reads open the database
-read-only, so they are safe while the agent runs; ``restore`` needs the agent stopped (it
-takes the store's writer lock) -- a running agent restores online through its own API.
+The store is found through ``--config`` (its ``[memory]`` section and ``agent.state_dir``)
+or given with ``--db``. Reads open it read-only, safe while the agent runs; ``restore`` needs
+the agent stopped (it takes the store's writer lock).
 
 Exit codes: 0 ok; 1 the operation failed (no store, checksum mismatch, agent running,
-declined); 2 bad usage or input (unknown signal, bad time, unknown snapshot, bad config).
-Diagnostics go to stderr; ``--json`` prints one JSON document on stdout.
+declined); 2 bad usage or input. Diagnostics go to stderr; ``--json`` prints one JSON
+document on stdout.
 """
 
 from __future__ import annotations

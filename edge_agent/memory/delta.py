@@ -1,29 +1,10 @@
 """Deadband delta encoding of windows into state-change rows, and its exact inverse. Pure.
 
 A *row* is ``(t_ns, signal_id, value)``; ``value is None`` means the signal's state became
-*unknown* (its cell was NaN or +-inf). The encoder keeps, per signal, the last value it
-*stored* (not the last one it saw) and emits a row for a grid point when
+*unknown* (its cell was NaN or +-inf). When the encoder writes a row, in what sense the rows
+reconstruct the windows exactly, keyframes, and the order of rows: :class:`DeltaEncoder`.
 
-* the value moved **more** than the signal's deadband away from the stored value, or
-* the value became unknown (non-finite) while the stored one was known, or known again, or
-* the point is a **keyframe**: the first point of a window encoded with ``keyframe=True``
-  gets a row for every signal, known or not.
-
-Reconstruction is therefore exact in this sense: the state of signal ``s`` at time ``t`` is
-the value of its last row at or before ``t``; it differs from the value perceived at ``t`` by
-at most the deadband (deadband 0: bit-identical, float32 in, float32 out), and it is unknown
-exactly where the perceived value was non-finite. Comparing against the stored value, never
-the previous one, is what stops slow creep below the deadband from accumulating.
-
-Keyframes make reconstruction local: the state at ``t`` is the nearest keyframe at or before
-``t`` plus the rows after it, so aging can delete everything before a keyframe and a reader
-never scans back further than one keyframe interval.
-
-Rows come out ordered by time, then by column: the store appends them in that order, so row
-ids ascend with time and a time range is a row-id range.
-
-Clock going backwards: grid points at or before the last encoded point are skipped and
-counted (``behind``); they would break that ordering. Perception refuses such samples too.
+Design: ``docs/MEMORY.md``, "Delta encoding".
 """
 
 from __future__ import annotations
@@ -111,6 +92,31 @@ class DeltaEncoder:
 
     ``signal_ids[j]`` is the store's id of column ``j``; ``deadbands[j]`` its deadband (>= 0).
     ``enabled=False`` writes every cell: the "without delta encoding" reference.
+
+    A *row* is ``(t_ns, signal_id, value)``; ``value is None`` means the signal's state became
+    *unknown* (its cell was NaN or +-inf). The encoder keeps, per signal, the last value it
+    *stored* (not the last one it saw) and emits a row for a grid point when
+
+    * the value moved **more** than the signal's deadband away from the stored value, or
+    * the value became unknown (non-finite) while the stored one was known, or known again, or
+    * the point is a **keyframe**: the first point of a window encoded with ``keyframe=True``
+      gets a row for every signal, known or not.
+
+    Reconstruction is therefore exact in this sense: the state of signal ``s`` at time ``t`` is
+    the value of its last row at or before ``t``; it differs from the value perceived at ``t`` by
+    at most the deadband (deadband 0: bit-identical, float32 in, float32 out), and it is unknown
+    exactly where the perceived value was non-finite. Comparing against the stored value, never
+    the previous one, is what stops slow creep below the deadband from accumulating.
+
+    Keyframes make reconstruction local: the state at ``t`` is the nearest keyframe at or before
+    ``t`` plus the rows after it, so aging can delete everything before a keyframe and a reader
+    never scans back further than one keyframe interval.
+
+    Rows come out ordered by time, then by column: the store appends them in that order, so row
+    ids ascend with time and a time range is a row-id range.
+
+    Clock going backwards: grid points at or before the last encoded point are skipped and
+    counted (``behind``); they would break that ordering. Perception refuses such samples too.
     """
 
     __slots__ = (

@@ -1,14 +1,5 @@
 """Errors of the memory stage, rooted in :class:`edge_agent.errors.AgentError`.
 
-::
-
-    AgentError
-    └── MemoryStoreError          the SQLite store cannot be opened, read or written
-        ├── StoreLocked           another process (a running agent) holds the store
-        ├── SchemaVersionError    the file was written by a newer build (user_version too high)
-        └── SnapshotError         a snapshot cannot be taken, found, read or restored
-            └── SnapshotChecksumError   its bytes do not match the manifest: refused
-
 Corruption found at start is not raised: the file is moved aside and the newest good
 snapshot restored (see :mod:`edge_agent.memory.snapshots`); the outcome is logged at ERROR
 and reported in the stage's ``stats()["recovery"]``.
@@ -20,7 +11,17 @@ from edge_agent.errors import AgentError
 
 
 class MemoryStoreError(AgentError):
-    """The memory store cannot be used (open, migrate, read or write)."""
+    """The memory store cannot be used (open, migrate, read or write).
+
+    ::
+
+        AgentError
+        └── MemoryStoreError          the SQLite store cannot be opened, read or written
+            ├── StoreLocked           another process (a running agent) holds the store
+            ├── SchemaVersionError    the file was written by a newer build (user_version too high)
+            └── SnapshotError         a snapshot cannot be taken, found, read or restored
+                └── SnapshotChecksumError   its bytes do not match the manifest: refused
+    """
 
 
 class StoreLocked(MemoryStoreError):

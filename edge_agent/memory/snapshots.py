@@ -1,27 +1,11 @@
 """Snapshots of the store, restore, and recovery from a corrupt file at start.
 
-A snapshot is two files in the snapshot directory:
+A snapshot is a consistent online copy and a checksummed manifest, written durably
+(:func:`take_snapshot`); a restore verifies it before it replaces anything
+(:func:`restore_snapshot`); a store found corrupt at start is moved aside and the newest
+good snapshot restored (:func:`recover_if_corrupt`).
 
-* ``memory-<UTC stamp>.db`` -- a consistent copy made with SQLite's online backup API in
-  one step over a read transaction (WAL: the writer keeps committing meanwhile), switched
-  to ``journal_mode=DELETE`` so it is one self-contained file;
-* ``memory-<UTC stamp>.json`` -- its manifest: size, sha256, creation time, schema version,
-  row counts and the newest data time.
-
-Both are written as temp files in the same directory, fsynced, renamed into place, and the
-directory fsynced (STYLE.md 11). The manifest goes last: a snapshot without one (a crash
-half-way) does not exist and is cleaned up. Pruning keeps the newest ``keep``.
-
-Restore verifies size and sha256 against the manifest (:class:`SnapshotChecksumError`
-otherwise, nothing touched), copies the snapshot next to the database, runs
-``PRAGMA quick_check`` on the copy, keeps the current database as
-``<name>.before-restore-<stamp>`` (a hard link), removes the old WAL and shared-memory files
-(a stale WAL applied to another file would corrupt it) and renames the copy into place.
-
-At start, :func:`recover_if_corrupt` runs ``PRAGMA quick_check``; a file that fails it or
-cannot be opened is moved aside as ``<name>.corrupt-<stamp>`` (with its WAL) and the newest
-snapshot that verifies is restored, both logged at ERROR. With no good snapshot the agent
-starts with an empty store, also logged at ERROR.
+Design: ``docs/MEMORY.md``, "Snapshots, restore, recovery".
 """
 
 from __future__ import annotations
@@ -107,6 +91,18 @@ def take_snapshot(db: Path, snapshot_dir: Path, *, keep: int, now_ns: int) -> Sn
 
     Blocking (seconds for a large store): run it in a worker thread. The writer is not
     blocked: the copy reads through its own connection inside one read transaction.
+
+    A snapshot is two files in the snapshot directory:
+
+    * ``memory-<UTC stamp>.db`` -- a consistent copy made with SQLite's online backup API in
+      one step over a read transaction (WAL: the writer keeps committing meanwhile), switched
+      to ``journal_mode=DELETE`` so it is one self-contained file;
+    * ``memory-<UTC stamp>.json`` -- its manifest: size, sha256, creation time, schema version,
+      row counts and the newest data time.
+
+    Both are written as temp files in the same directory, fsynced, renamed into place, and the
+    directory fsynced (STYLE.md 11). The manifest goes last: a snapshot without one (a crash
+    half-way) does not exist and is cleaned up. Pruning keeps the newest ``keep``.
     """
     if not db.exists():
         raise SnapshotError(f"no memory store at {db}")
@@ -296,6 +292,12 @@ def restore_snapshot(info: SnapshotInfo, db: Path, *, now_ns: int) -> Path | Non
     """Roll ``db`` back to ``info``. The caller holds the store lock and no connection.
 
     Returns where the previous database was kept (``None`` if there was none).
+
+    Restore verifies size and sha256 against the manifest (:class:`SnapshotChecksumError`
+    otherwise, nothing touched), copies the snapshot next to the database, runs
+    ``PRAGMA quick_check`` on the copy, keeps the current database as
+    ``<name>.before-restore-<stamp>`` (a hard link), removes the old WAL and shared-memory files
+    (a stale WAL applied to another file would corrupt it) and renames the copy into place.
     """
     verify_snapshot(info)
     db.parent.mkdir(parents=True, exist_ok=True)
@@ -359,7 +361,13 @@ def check_database(path: Path) -> str | None:
 
 def recover_if_corrupt(db: Path, snapshot_dir: Path, *, now_ns: int) -> Recovery | None:
     """At start, with the store lock held: check ``db``; if corrupt, move it aside and restore
-    the newest good snapshot. Returns what was done, or None when the file was fine/absent."""
+    the newest good snapshot. Returns what was done, or None when the file was fine/absent.
+
+    At start, :func:`recover_if_corrupt` runs ``PRAGMA quick_check``; a file that fails it or
+    cannot be opened is moved aside as ``<name>.corrupt-<stamp>`` (with its WAL) and the newest
+    snapshot that verifies is restored, both logged at ERROR. With no good snapshot the agent
+    starts with an empty store, also logged at ERROR.
+    """
     if not db.exists() or db.stat().st_size == 0:
         return None
     problem = check_database(db)

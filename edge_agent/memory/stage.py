@@ -7,14 +7,6 @@ SQLite runs in the writer thread (:class:`~edge_agent.memory.store.StoreWriter`)
 snapshots, restore, reads and opening the store run in worker threads. Bad input is
 counted in :meth:`MemoryStage.stats`, never raised. The whole stage, its storage and its
 counters: ``docs/MEMORY.md``.
-
-Typical wiring (the service owns the TaskGroup)::
-
-    stage = MemoryStage(cfg.memory, cfg.perception.signals, state_dir=cfg.agent.state_dir,
-                        period_ns=cfg.perception.period_ns)
-    async with stage:                                  # open/recover off the loop, start writer
-        tg.create_task(stage.run(), name="memory")     # periodic snapshots, writer watchdog
-        ctx = stage.process(window, now_ns=clock_ns()) # on the loop, per window
 """
 
 from __future__ import annotations
@@ -130,6 +122,14 @@ class MemoryStage:
     names snapshots and stamps recovery (tests pass a fake). ``db_path`` and
     ``snapshot_dir`` override the config's paths. ``delta_encoding=False`` stores every
     cell (the benchmark's "without delta encoding" reference; not a config option).
+
+    Typical wiring (the service owns the TaskGroup)::
+
+        stage = MemoryStage(cfg.memory, cfg.perception.signals, state_dir=cfg.agent.state_dir,
+                            period_ns=cfg.perception.period_ns)
+        async with stage:                                  # open/recover off the loop, start writer
+            tg.create_task(stage.run(), name="memory")     # periodic snapshots, writer watchdog
+            ctx = stage.process(window, now_ns=clock_ns()) # on the loop, per window
     """
 
     def __init__(

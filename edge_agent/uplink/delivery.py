@@ -1,14 +1,12 @@
 """When a row may leave the outbox, when one the broker acknowledged is sent again, and
-the pace rows go out at (:class:`TokenBucket`).
+the pace rows go out at (:class:`TokenBucket`). Pure (times are given).
 
-Pure (times are given). A broker acknowledges a message once it holds it in memory; it
-writes its state to disk only every ``autosave_interval``, so a broker killed in between
-loses what it acknowledged since. With ``delivery = "stored"`` (or ``"auto"`` once a fleet
-has confirmed anything) a row stays in the outbox after its PUBACK until the fleet's
-``cmd/stored`` names it, and is sent again once it is still unconfirmed
-``confirm_timeout_s`` after the fleet confirmed one the broker acknowledged later (the
-fleet is storing, but not this one: the broker lost it). Duplicates are the fleet's to
-drop; a fleet that is down (or behind) confirms nothing newer, and nothing is resent.
+A broker acknowledges a message once it holds it in memory, and may lose it before it saves
+it; with ``delivery = "stored"`` (or ``"auto"`` once a fleet has confirmed anything) a row
+stays after its PUBACK until the fleet's ``cmd/stored`` names it, and is sent again when the
+fleet confirms later ones but not it (:class:`Delivery`).
+
+Design: ``docs/ARCHITECTURE.md``, "Uplink and fleet ingest" (*Stored, not just delivered*).
 """
 
 from __future__ import annotations
@@ -20,7 +18,17 @@ _S = 1_000_000_000
 
 
 class Delivery:
-    """The delivery policy of one uplink (``mode``: ``auto``, ``stored`` or ``broker``)."""
+    """The delivery policy of one uplink (``mode``: ``auto``, ``stored`` or ``broker``).
+
+    Pure (times are given). A broker acknowledges a message once it holds it in memory; it
+    writes its state to disk only every ``autosave_interval``, so a broker killed in between
+    loses what it acknowledged since. With ``delivery = "stored"`` (or ``"auto"`` once a fleet
+    has confirmed anything) a row stays in the outbox after its PUBACK until the fleet's
+    ``cmd/stored`` names it, and is sent again once it is still unconfirmed
+    ``confirm_timeout_s`` after the fleet confirmed one the broker acknowledged later (the
+    fleet is storing, but not this one: the broker lost it). Duplicates are the fleet's to
+    drop; a fleet that is down (or behind) confirms nothing newer, and nothing is resent.
+    """
 
     def __init__(self, mode: str, confirm_timeout_s: float, *, fleet_confirms: bool) -> None:
         if mode not in ("auto", "stored", "broker"):

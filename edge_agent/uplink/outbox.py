@@ -1,15 +1,11 @@
 """The durable outbox every uplink data message passes through, and the boot session.
 
 A message gets its ``(boot_id, seq)`` when it enters the outbox and keeps them, so a replay
-after a restart keeps its numbers and the fleet's idempotent ingest sees one gap-free stream
-per boot. SQLite WAL (``synchronous=NORMAL``), one short transaction per put, inline on the
-loop. Bounded by bytes (telemetry goes first; decisions and OTA status have a reserve),
-every drop counted per kind (:meth:`Outbox.stats`); a corrupt file is moved aside; the
-``boots`` table keeps each boot's final count for the epitaph. A row the broker acknowledged
-is deleted then, or, once the fleet confirms what it stores, kept (``acked_ns`` set) until
-the fleet's ``cmd/stored`` names it (:meth:`Outbox.confirm`). The policy and why:
-``docs/ARCHITECTURE.md``, sections "Uplink and fleet ingest" and "Stored, not just
-delivered".
+after a restart keeps its numbers and the fleet sees one gap-free stream per boot. SQLite
+WAL, one short transaction per put, bounded by bytes with every drop counted per kind; how
+rows leave it and what is kept: :class:`Outbox`.
+
+Design: ``docs/ARCHITECTURE.md``, "Uplink and fleet ingest" (*Stored, not just delivered*).
 """
 
 from __future__ import annotations
@@ -93,7 +89,19 @@ class Session:
 
 class Outbox:
     """SQLite outbox (one writer: the agent's event loop thread). Raises :class:`OutboxError`
-    only from the constructor; :meth:`put` and :meth:`ack` log, count and carry on."""
+    only from the constructor; :meth:`put` and :meth:`ack` log, count and carry on.
+
+    A message gets its ``(boot_id, seq)`` when it enters the outbox and keeps them, so a replay
+    after a restart keeps its numbers and the fleet's idempotent ingest sees one gap-free stream
+    per boot. SQLite WAL (``synchronous=NORMAL``), one short transaction per put, inline on the
+    loop. Bounded by bytes (telemetry goes first; decisions and OTA status have a reserve),
+    every drop counted per kind (:meth:`Outbox.stats`); a corrupt file is moved aside; the
+    ``boots`` table keeps each boot's final count for the epitaph. A row the broker acknowledged
+    is deleted then, or, once the fleet confirms what it stores, kept (``acked_ns`` set) until
+    the fleet's ``cmd/stored`` names it (:meth:`Outbox.confirm`). The policy and why:
+    ``docs/ARCHITECTURE.md``, sections "Uplink and fleet ingest" and "Stored, not just
+    delivered".
+    """
 
     def __init__(
         self,

@@ -4,23 +4,8 @@ Threads: paho runs its network loop in its own thread (``loop_start``); every pa
 only hands its facts to the asyncio loop with ``call_soon_threadsafe``. The outbox, the
 in-flight table and every counter are touched on the asyncio loop thread only.
 
-One paho client per connection attempt: the Last Will is fixed at CONNECT, and its ``seq``
-is the watermark at that moment, so a fresh client per attempt keeps the will current; it
-also means no paho-internal queue survives a lost connection: what was in flight is simply
-sent again from the outbox (QoS 1 may duplicate; the fleet dedups on ``(boot_id, seq)``).
-
-Delivery: every data message (live or backlog) goes through the outbox and leaves it in id
-order, paced by a token bucket (``replay_rate_per_s``) and a window of ``max_inflight``
-unacknowledged PUBLISHes. A row is deleted when its PUBACK arrives, or, once the fleet
-confirms what it stores, when its ``cmd/stored`` names it (:mod:`.delivery`). After an
-outage the backlog drains at the paced rate while new rows append behind it.
-
-State (``.../state``, retained, QoS 1): ``online`` at every connect, ``offline`` with
-``clean=False`` as the Last Will, and a clean ``offline`` at :meth:`Uplink.run`'s end. While
-rows are kept for the fleet's confirmation, every state carries ``held`` (the lowest seq of
-its boot still in the outbox), and ``online`` is published again when it moved, at most
-every ``HELD_EVERY_S``: the fleet reports a missing seq as lost only below it. The payloads
-and that cadence: :mod:`.states`.
+Delivery, the Last Will and ``held``: :class:`Uplink`; design: ``docs/ARCHITECTURE.md``,
+"Uplink and fleet ingest".
 """
 
 from __future__ import annotations
@@ -82,6 +67,24 @@ class Uplink:
     ``publish_decision`` / ``publish`` are synchronous and cheap (one SQLite insert without
     fsync); call them on the event loop thread. They never raise for bad messages or I/O
     trouble: the message is dropped and counted in :meth:`stats`.
+
+    One paho client per connection attempt: the Last Will is fixed at CONNECT, and its ``seq``
+    is the watermark at that moment, so a fresh client per attempt keeps the will current; it
+    also means no paho-internal queue survives a lost connection: what was in flight is simply
+    sent again from the outbox (QoS 1 may duplicate; the fleet dedups on ``(boot_id, seq)``).
+
+    Delivery: every data message (live or backlog) goes through the outbox and leaves it in id
+    order, paced by a token bucket (``replay_rate_per_s``) and a window of ``max_inflight``
+    unacknowledged PUBLISHes. A row is deleted when its PUBACK arrives, or, once the fleet
+    confirms what it stores, when its ``cmd/stored`` names it (:mod:`.delivery`). After an
+    outage the backlog drains at the paced rate while new rows append behind it.
+
+    State (``.../state``, retained, QoS 1): ``online`` at every connect, ``offline`` with
+    ``clean=False`` as the Last Will, and a clean ``offline`` at :meth:`Uplink.run`'s end. While
+    rows are kept for the fleet's confirmation, every state carries ``held`` (the lowest seq of
+    its boot still in the outbox), and ``online`` is published again when it moved, at most
+    every ``HELD_EVERY_S``: the fleet reports a missing seq as lost only below it. The payloads
+    and that cadence: :mod:`.states`.
     """
 
     def __init__(

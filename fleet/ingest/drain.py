@@ -1,21 +1,9 @@
 """Emptying an ingest session no worker will read into the store, then ending it.
 
-A drain connects with the session's client id and ``clean_start=False``, and leaves the
-group (UNSUBSCRIBE): the broker routes no new message to the session, but still delivers
-those it queued for it (Mosquitto 2.0.11, tested). Each message takes the worker's own
-path: checks, one transaction per batch, the PUBACK only after the commit. Once the
-unsubscribe is confirmed, nothing is held unstored or unacked, and no message has come for
-``quiet_s``, the broker has nothing left for the session (it sends the next queued message
-as soon as an ack frees a slot), and the drain disconnects with Session Expiry 0: the
-broker deletes the session. A session the broker does not have (``session present`` 0) is
-ended at once. A message delivered while the drain stops is left unacked and the session
-kept: it is never acked without being stored, and never ended while it owes one.
-
-A drain gives way when another client holds the client id (a fleet serve still running
-with it: the broker's "session taken over", or with Mosquitto, which closes the socket
-without saying why, the connection lost three times in a row within 5 s of being made),
-and when fleet serve stops: the session stays ``draining`` in the store and the next start
-drains it.
+A drain takes over the session's client id, leaves the group, stores what the broker still
+queued for the session by the worker's own path (acked only after the commit), then ends
+the session; it gives way to any other client with that id, and a session it could not
+finish is drained at the next start. How and why: :class:`SessionDrainer`.
 """
 
 from __future__ import annotations
@@ -60,7 +48,25 @@ class Drained:
 
 
 class SessionDrainer(IngestWorker):
-    """One drain: an ingest worker that leaves the group instead of joining it."""
+    """One drain: an ingest worker that leaves the group instead of joining it.
+
+    A drain connects with the session's client id and ``clean_start=False``, and leaves the
+    group (UNSUBSCRIBE): the broker routes no new message to the session, but still delivers
+    those it queued for it (Mosquitto 2.0.11, tested). Each message takes the worker's own
+    path: checks, one transaction per batch, the PUBACK only after the commit. Once the
+    unsubscribe is confirmed, nothing is held unstored or unacked, and no message has come for
+    ``quiet_s``, the broker has nothing left for the session (it sends the next queued message
+    as soon as an ack frees a slot), and the drain disconnects with Session Expiry 0: the
+    broker deletes the session. A session the broker does not have (``session present`` 0) is
+    ended at once. A message delivered while the drain stops is left unacked and the session
+    kept: it is never acked without being stored, and never ended while it owes one.
+
+    A drain gives way when another client holds the client id (a fleet serve still running
+    with it: the broker's "session taken over", or with Mosquitto, which closes the socket
+    without saying why, the connection lost three times in a row within 5 s of being made),
+    and when fleet serve stops: the session stays ``draining`` in the store and the next start
+    drains it.
+    """
 
     def __init__(self, config: IngestConfig, *, quiet_s: float = QUIET_S) -> None:
         # In the writer's thread, not a store process: a drain is short, and a process

@@ -1,13 +1,10 @@
 """When the ingest audits the store for gaps, and how it says what it found. Pure: data and
 ``now`` in, decisions and lines out; the worker's writer thread does the I/O.
 
-A broker that drops messages for the ingest (its queue for the ingest's session full) has
-acknowledged them to the device all the same; what the fleet sees is a hole below a message
-that did arrive. Every ``check_s`` a worker asks the store for holes behind the messages
-received since its last audit, logs each new one at WARNING and counts it. A hole is a gap
-only once it is ``grace_s`` old (messages of two workers arrive out of order, batches
-retry), and, under ``fleet serve``, once every worker has caught up (:func:`horizon_after`,
-passed over after ``HOLD_MAX_S``). Why, and what each wait covers: ``docs/ARCHITECTURE.md``,
+Every ``check_s`` a worker asks the store for holes behind the messages received since its
+last audit, logs each new one at WARNING and counts it. A hole is a gap only once it is
+``grace_s`` old and, under ``fleet serve``, once every worker has caught up
+(:func:`horizon_after`). Why, and what each wait covers: ``docs/ARCHITECTURE.md``,
 "Uplink and fleet ingest", *Gaps while running*.
 """
 

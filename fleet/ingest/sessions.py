@@ -1,14 +1,11 @@
 """The ingest's MQTT sessions: their names, and which to run, keep or drain. Pure: it takes
 the sessions recorded in the store and ``now``, and returns what to record and do.
 
-A worker's client id is ``{prefix}-{group}-{index}``; the prefix is ``--client-id`` or
-``fleet-ingest-{node}`` (node: the host name). Every session is recorded before it is
-connected, so the store knows each one the broker may hold. A session that no worker of
-this start will read (fewer workers than last time, another group, a node retired with
-``fleet sessions retire``) is drained: Mosquitto keeps handing a persistent session of a
-shared subscription its share of the group's messages while nobody is connected to it, so
-left alone it would hide them until it expired and then lose them (see
-:mod:`fleet.ingest.drain`).
+A worker's client id is ``{prefix}-{group}-{index}`` (prefix: ``--client-id`` or
+``fleet-ingest-{node}``), recorded before it connects. A session no worker of this start
+will read is drained (:mod:`fleet.ingest.drain`): Mosquitto keeps handing a persistent
+session of a shared subscription its share of the messages while nobody reads it, so left
+alone it would hide them until it expired and then lose them.
 """
 
 from __future__ import annotations

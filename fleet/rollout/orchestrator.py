@@ -1,22 +1,11 @@
 """Running rollouts: the store and the broker at the edges of :mod:`fleet.rollout.machine`.
 
-- **create** (``fleet rollout create``): reads the bundle's manifest (checked against the
-  fleet's ``root.json`` when given), publishes the bundle into the artifact directory as
-  ``<sha256>.efb``, plans the waves from the registry and its labels, and saves the rollout.
-  No broker is needed: the orchestrator picks it up.
-- **step** (every ``tick_s`` inside ``fleet serve``): takes pause/resume/abort requests from
-  the store, feeds every ``ota/status`` message the ingest stored since the last step (read
-  page by page) to the rollouts it belongs to (matched by ``bundle_id``), ticks each
-  rollout, saves what changed and then publishes the offers and rollbacks it asked for on
-  ``.../cmd/ota`` (QoS 1; the devices' persistent sessions keep them while a device is
-  offline). The cursor and the requests move on only when every save succeeded.
+:func:`create_rollout` plans and saves a rollout (no broker needed); the
+:class:`Orchestrator` steps every active one inside ``fleet serve``: requests, ``ota/status``
+messages, ticks, saves, then the commands. All of a rollout's state is its document in the
+store, so a restart continues where it was.
 
-All of a rollout's state is its document in the store. After a restart the orchestrator
-reads the ``ota/status`` messages again from the oldest active rollout's creation on;
-the machine ignores what it has applied already (``(boot_id, seq)`` order), so the
-rollout continues where it was. One orchestrator runs per store: on several ``fleet
-serve`` nodes the one that holds the lead (:mod:`fleet.leader`), whose saves carry its
-epoch, so a node that lost the lead saves and sends nothing more.
+Design: ``docs/ARCHITECTURE.md``, "Rollouts".
 """
 
 from __future__ import annotations
@@ -267,7 +256,26 @@ Urls = Callable[[str, str], str]
 
 
 class Orchestrator:
-    """One step at a time (:meth:`step`); :func:`run_forever` calls it in a loop."""
+    """One step at a time (:meth:`step`); :func:`run_forever` calls it in a loop.
+
+    - **create** (``fleet rollout create``): reads the bundle's manifest (checked against the
+      fleet's ``root.json`` when given), publishes the bundle into the artifact directory as
+      ``<sha256>.efb``, plans the waves from the registry and its labels, and saves the rollout.
+      No broker is needed: the orchestrator picks it up.
+    - **step** (every ``tick_s`` inside ``fleet serve``): takes pause/resume/abort requests from
+      the store, feeds every ``ota/status`` message the ingest stored since the last step (read
+      page by page) to the rollouts it belongs to (matched by ``bundle_id``), ticks each
+      rollout, saves what changed and then publishes the offers and rollbacks it asked for on
+      ``.../cmd/ota`` (QoS 1; the devices' persistent sessions keep them while a device is
+      offline). The cursor and the requests move on only when every save succeeded.
+
+    All of a rollout's state is its document in the store. After a restart the orchestrator
+    reads the ``ota/status`` messages again from the oldest active rollout's creation on;
+    the machine ignores what it has applied already (``(boot_id, seq)`` order), so the
+    rollout continues where it was. One orchestrator runs per store: on several ``fleet
+    serve`` nodes the one that holds the lead (:mod:`fleet.leader`), whose saves carry its
+    epoch, so a node that lost the lead saves and sends nothing more.
+    """
 
     def __init__(
         self,

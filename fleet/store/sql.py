@@ -1,14 +1,12 @@
 """What the SQLite and PostgreSQL stores run alike: the reads, labels, rollouts and sessions.
 
 :class:`SqlStore` holds every query whose text is the same on both engines once the
-placeholder is chosen (users, tokens and audit: :mod:`fleet.store.access_sql`; the console's reads:
-:mod:`fleet.store.console_sql`). SQL here is
-written with ``?`` and each backend's :meth:`_sql` gives it its own style
-(:mod:`fleet.store.sqlbase`). A backend supplies the connection (:meth:`SqlStore._run`, which
-also maps the driver's errors to :mod:`fleet.errors`) and the transaction
-(:meth:`SqlStore._txn`), and keeps what really differs: connecting, the ingest's batch
-write, ``record_state``'s upserts, migrations and the ping. Layout: docs/ARCHITECTURE.md,
-"The store".
+placeholder is chosen (SQL written with ``?``; each backend's :meth:`_sql` gives it its own
+style). A backend supplies the connection (:meth:`SqlStore._run`, mapping driver errors to
+:mod:`fleet.errors`) and the transaction (:meth:`SqlStore._txn`), and keeps what differs:
+connecting, the ingest's batch write, ``record_state``'s upserts, migrations and the ping.
+
+Design: ``docs/ARCHITECTURE.md``, "The fleet store's tables".
 """
 
 from __future__ import annotations

@@ -7,10 +7,6 @@ second wait instead of failing. ``synchronous=FULL``: each commit is on disk whe
 because the ingest acks a message to the broker right after its commit and the broker then
 forgets it (NORMAL would keep the file consistent on power loss but could lose the last
 commits, messages nobody would send again).
-
-The URL may carry ``?busy_timeout_ms=N`` (default 15000): how long a write waits for another
-writer's transaction (a CLI command, another worker, a ``sqlite3`` shell) before it fails
-and the ingest retries it.
 """
 
 from __future__ import annotations
@@ -73,7 +69,12 @@ _INSERT_MESSAGE = (
 
 class SqliteStore(SqlStore):
     """:class:`fleet.store.base.Store` on SQLite. Use one per worker thread or process.
-    Making one raises ``FleetStoreError`` for a URL it cannot use or a file it cannot open."""
+    Making one raises ``FleetStoreError`` for a URL it cannot use or a file it cannot open.
+
+    The URL may carry ``?busy_timeout_ms=N`` (default 15000): how long a write waits for another
+    writer's transaction (a CLI command, another worker, a ``sqlite3`` shell) before it fails
+    and the ingest retries it.
+    """
 
     def __init__(self, url: str) -> None:
         self.url = url
