@@ -231,11 +231,12 @@ class Fleet:
                 f"connected; last error: {why or 'no CONNACK within the timeout'}"
             )
 
-    def run(self, seconds: int) -> tuple[int, float]:
-        """Each device publishes once a second for ``seconds``, its phase spread over the
-        second. Returns (messages published, worst lateness in s)."""
+    def run(self, seconds: float, rate: float = 1.0) -> tuple[int, float]:
+        """Each device publishes ``rate`` times a second for ``seconds``, the devices' turns
+        spread evenly over each period. Returns (messages published, worst lateness in s)."""
         n = len(self.devices)
-        total = n * seconds
+        total = int(n * seconds * rate)
+        period = 1.0 / rate
         t0 = time.monotonic() + 0.5
         k = 0
         published = 0
@@ -243,7 +244,7 @@ class Fleet:
         next_misc = time.monotonic() + 1.0
         while k < total:
             now = time.monotonic()
-            due = t0 + k // n + (k % n) / n
+            due = t0 + (k // n + (k % n) / n) * period
             while k < total and due <= now:
                 dev = self.devices[k % n]
                 worst = max(worst, now - due)
@@ -253,7 +254,7 @@ class Fleet:
                 else:
                     self.last_error = f"{dev.name}: publish failed: {mqtt.error_string(info.rc)}"
                 k += 1
-                due = t0 + k // n + (k % n) / n
+                due = t0 + (k // n + (k % n) / n) * period
             if now >= next_misc:
                 self.misc()
                 next_misc = now + 1.0
