@@ -232,6 +232,7 @@ def _history(url: str, names: list[str], hours: float, now_ns: int) -> dict[str,
             (names[0],),
         ).fetchone()
         assert body is not None
+        keys = db.execute("SELECT to_regclass('message_keys') IS NOT NULL").fetchone()
         started = time.monotonic()
         for i in range(0, len(names), 200):
             chunk = names[i : i + 200]
@@ -247,6 +248,13 @@ def _history(url: str, names: list[str], hours: float, now_ns: int) -> dict[str,
                     "FROM unnest(%s::text[]) d, generate_series(0, %s - 1) s",
                     (t0, step, t0, step, body[0], chunk, per),
                 )
+                if keys and keys[0]:  # schema v13: the keys table beside the partitions
+                    db.execute(
+                        "INSERT INTO message_keys (device, boot_id, seq, kind, t_ns) "
+                        "SELECT d, md5(d || 'history'), s, 'telemetry', %s + s * %s "
+                        "FROM unnest(%s::text[]) d, generate_series(0, %s - 1) s",
+                        (t0, step, chunk, per),
+                    )
         took = time.monotonic() - started
         db.execute("ANALYZE messages")
         rows = db.execute("SELECT count(*) FROM messages").fetchone()

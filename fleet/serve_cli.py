@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _fail = fail
-#: How often ``--retention`` is applied.
+#: How often the history is prepared (partitions ahead) and ``--retention`` applied.
 RETENTION_EVERY_S = 600
 
 
@@ -216,10 +216,9 @@ def serve(
     except FleetError as exc:
         _fail(str(exc), EXIT_FAILURE)
     log.info("%s", describe(keep))
-    if keep:
-        threading.Thread(
-            target=_expire_loop, args=(config.store_url, keep, stop), name="retention", daemon=True
-        ).start()
+    threading.Thread(
+        target=_history_loop, args=(config.store_url, keep, stop), name="history", daemon=True
+    ).start()
     service = start_services(
         stop,
         service_error,
@@ -298,15 +297,18 @@ def _rollout_service(
     )
 
 
-def _expire_loop(url: str, keep: dict[str, int], stop: threading.Event) -> None:
-    """Apply the retention at start and every ``RETENTION_EVERY_S`` until ``stop``, on a
-    store handle of its own; log what went. A store failure is logged and tried again
-    next time."""
+def _history_loop(url: str, keep: dict[str, int], stop: threading.Event) -> None:
+    """At start and every ``RETENTION_EVERY_S`` until ``stop``, on a store handle of its
+    own: make the coming days' partitions (PostgreSQL), then apply the retention and log
+    what went. A store failure is logged and tried again next time."""
     store: OperatorStore | None = None
     try:
         while not stop.is_set():
             try:
                 store = store or open_store(url)
+                made = store.prepare_history(time.time_ns())
+                if made:
+                    log.info("history: %d day partitions made ahead", made)
                 gone = apply_retention(store, keep, time.time_ns(), stop=stop)
             except FleetError as exc:
                 log.error("retention: %s (tried again in %d s)", exc, RETENTION_EVERY_S)

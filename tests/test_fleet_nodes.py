@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from typer.testing import CliRunner
 
@@ -149,6 +150,14 @@ def _nodes(url: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _tables(url: str) -> set[str]:
+    with psycopg.connect(url) as db:
+        rows = db.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
+        ).fetchall()
+    return {r[0] for r in rows}
+
+
 def _leader(url: str) -> tuple[str, int] | None:
     lead = [(n["node"], n["epoch"]) for n in _nodes(url) if n["leader"] and n["alive"]]
     return lead[0] if lead else None
@@ -168,6 +177,11 @@ def test_killing_the_leading_node_hands_the_lead_to_another_within_10_s(
             first = _leader(url)
             assert first is not None
             leader, epoch = first
+            # Each node makes the coming days' partitions at start (one of them does the work).
+            today = time.strftime("%Y%m%d", time.gmtime())
+            wait_until(
+                lambda: f"messages_telemetry_{today}" in _tables(url), 30, "today's partition"
+            )
             other = "n2" if leader == "n1" else "n1"
             human = CliRunner().invoke(app, ["nodes", "list", "--store", url])
             assert f"yes (epoch {epoch})" in human.stdout

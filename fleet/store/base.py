@@ -274,7 +274,18 @@ class Store(Protocol):
         transaction; call again until it returns less than ``limit``); how many went.
         Kinds: a message kind (by its ``t_ns``; the cut is recorded, so :meth:`gaps` does
         not report what it removed), ``quarantine`` (by ``received_ns``) or ``minutes``
-        (the rollups, by their minute). Raises ``FleetStoreError``."""
+        (the rollups, by their minute). Raises ``FleetStoreError``.
+
+        On PostgreSQL a message kind goes by whole days: each day's partition wholly older
+        than ``before_ns`` is dropped at once (its rows count, whatever ``limit``), and only
+        rows outside every partition (a device clock far off) are deleted one by one; the
+        day that straddles ``before_ns`` stays until it is wholly older."""
+        ...
+
+    def prepare_history(self, now_ns: int) -> int:
+        """Make ready what the history of the coming days needs: on PostgreSQL each message
+        kind's day partitions from the day before ``now_ns`` (UTC) to a week after it; how
+        many were new. Nothing on SQLite. Raises ``FleetStoreError``."""
         ...
 
     def put_bundle(self, sha256: str, data: bytes, now_ns: int) -> None:

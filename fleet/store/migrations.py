@@ -384,6 +384,80 @@ CREATE TABLE history_floors (
 CREATE INDEX signal_minutes_minute ON signal_minutes (minute)
 """
 
+# v13 (PostgreSQL): messages partitioned by kind and day, so that retention drops whole
+# days. Declarative partitioning wants the partition key in every unique key, so a
+# message's key (device, boot_id, seq) is kept unique in message_keys, a narrow table that
+# also says where the stored copy is (kind, t_ns): the ingest inserts a key first and the
+# message only if the key was new (fleet.store.postgres). Rows of a kind and day with no
+# partition (a device clock far off) land in the default partition; fleet_ensure_partition
+# makes a day's partition and moves its rows out of the default. The rows of the table
+# before are moved in the same transaction.
+_V13_POSTGRES = """
+ALTER TABLE messages RENAME TO messages_v12;
+ALTER TABLE messages_v12 RENAME CONSTRAINT messages_pkey TO messages_v12_pkey;
+DROP INDEX messages_kind_t;
+DROP INDEX messages_device_kind_t;
+DROP INDEX messages_kind_received;
+CREATE TABLE messages (
+    device TEXT NOT NULL,
+    boot_id TEXT NOT NULL,
+    seq BIGINT NOT NULL,
+    kind TEXT NOT NULL,
+    t_ns BIGINT NOT NULL,
+    received_ns BIGINT NOT NULL,
+    label TEXT,
+    body BYTEA NOT NULL,
+    PRIMARY KEY (device, boot_id, seq, kind, t_ns)
+) PARTITION BY RANGE (kind, t_ns);
+CREATE TABLE message_keys (
+    device TEXT NOT NULL,
+    boot_id TEXT NOT NULL,
+    seq BIGINT NOT NULL,
+    kind TEXT NOT NULL,
+    t_ns BIGINT NOT NULL,
+    PRIMARY KEY (device, boot_id, seq)
+);
+CREATE INDEX message_keys_kind_t ON message_keys (kind, t_ns);
+CREATE TABLE messages_default PARTITION OF messages DEFAULT;
+CREATE INDEX messages_kind_t ON messages (kind, t_ns);
+CREATE INDEX messages_device_kind_t ON messages (device, kind, t_ns);
+CREATE INDEX messages_kind_received ON messages (kind, received_ns);
+CREATE FUNCTION fleet_partition_name(k TEXT, day BIGINT) RETURNS TEXT
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT 'messages_' || regexp_replace(k, '[^a-z]', '_', 'g') || '_'
+        || to_char(to_timestamp(day * 86400) AT TIME ZONE 'UTC', 'YYYYMMDD')
+$$;
+CREATE FUNCTION fleet_ensure_partition(k TEXT, day BIGINT) RETURNS BOOLEAN
+LANGUAGE plpgsql AS $$
+DECLARE
+    part TEXT := fleet_partition_name(k, day);
+    lo BIGINT := day * 86400000000000;
+    hi BIGINT := (day + 1) * 86400000000000;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('fleet_partitions'));
+    IF to_regclass(quote_ident(part)) IS NOT NULL THEN
+        RETURN FALSE;
+    END IF;
+    EXECUTE format('CREATE TABLE %I (LIKE messages INCLUDING DEFAULTS)', part);
+    EXECUTE format('WITH moved AS (DELETE FROM messages_default WHERE kind = $1 AND t_ns >= $2 '
+                   'AND t_ns < $3 RETURNING *) INSERT INTO %I SELECT * FROM moved', part)
+        USING k, lo, hi;
+    EXECUTE format('ALTER TABLE messages ATTACH PARTITION %I FOR VALUES FROM (%L, %s) TO (%L, %s)',
+                   part, k, lo, k, hi);
+    RETURN TRUE;
+END
+$$;
+SELECT fleet_ensure_partition(kind, day) FROM (
+    SELECT DISTINCT kind, t_ns / 86400000000000 AS day FROM messages_v12
+    WHERE t_ns >= 946684800000000000 AND t_ns < 4102444800000000000
+) AS days;
+INSERT INTO messages (device, boot_id, seq, kind, t_ns, received_ns, label, body)
+SELECT device, boot_id, seq, kind, t_ns, received_ns, label, body FROM messages_v12;
+INSERT INTO message_keys (device, boot_id, seq, kind, t_ns)
+SELECT device, boot_id, seq, kind, t_ns FROM messages_v12;
+DROP TABLE messages_v12
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "registry, boots, messages, quarantine", _V1_SQLITE, _V1_POSTGRES),
     Migration(2, "rollouts, rollout requests, device labels", _V2_SQLITE, _V2_POSTGRES),
@@ -396,6 +470,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(10, "the seq each device boot still holds", _V10_SQLITE, _V10_POSTGRES),
     Migration(11, "published bundles, for every node to serve", _V11_SQLITE, _V11_POSTGRES),
     Migration(12, "retention: how far back history was cut", _V12, _V12),
+    Migration(13, "messages partitioned by kind and day (PostgreSQL)", "", _V13_POSTGRES),
 )
 
 #: The schema version this code writes and reads.

@@ -9,17 +9,21 @@ order) but, when PostgreSQL reports one, the transaction is retried here.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
+from psycopg import sql
 
 from fleet.errors import FleetStoreError, SchemaTooNew, StoreRefused
 from fleet.store import _common
 from fleet.store.base import (
+    DATA_KINDS,
     IngestResult,
     Row,
     redact_url,
@@ -33,6 +37,9 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 #: Any fixed key works: it only serialises concurrent migrate() calls on one server.
 _MIGRATE_LOCK = 0x6564_6765_666C_74  # "edgeflt"
+DAY_NS = 86_400 * 1_000_000_000
+#: Days of message partitions made ahead (fleet serve makes them every 10 minutes).
+PARTITION_DAYS_AHEAD = 7
 _RETRIES = 3
 #: A device registered ahead of its first message has first_seen_ns 0 until that message.
 _FIRST_SEEN = (
@@ -60,11 +67,65 @@ _UPSERT_MINUTES = (
     "sum_mean = signal_minutes.sum_mean + EXCLUDED.sum_mean, "
     "points = signal_minutes.points + EXCLUDED.points"
 )
-_INSERT_MESSAGES = (
+#: One message: its key first (unique in message_keys, whatever partition the message is
+#: in), then the message if the key was new. Arguments: the key's five columns, then all eight.
+_INSERT_MESSAGE = (
+    "WITH new AS (INSERT INTO message_keys (device, boot_id, seq, kind, t_ns) "
+    "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (device, boot_id, seq) DO NOTHING RETURNING 1) "
     "INSERT INTO messages (device, boot_id, seq, kind, t_ns, received_ns, label, body) "
-    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
-    "ON CONFLICT (device, boot_id, seq) DO NOTHING"
+    "SELECT %s::text, %s::text, %s::int8, %s::text, %s::int8, %s::int8, %s::text, %s::bytea "
+    "FROM new"
 )
+#: The batch copied to ingest_batch, the same way: the keys that were new, their messages.
+_INSERT_BATCH = (
+    "WITH new AS (INSERT INTO message_keys (device, boot_id, seq, kind, t_ns) "
+    "SELECT device, boot_id, seq, kind, t_ns FROM ingest_batch ORDER BY device, boot_id, seq "
+    "ON CONFLICT (device, boot_id, seq) DO NOTHING RETURNING device, boot_id, seq) "
+    "INSERT INTO messages (device, boot_id, seq, kind, t_ns, received_ns, label, body) "
+    "SELECT b.device, b.boot_id, b.seq, b.kind, b.t_ns, b.received_ns, b.label, b.body "
+    "FROM ingest_batch b JOIN new USING (device, boot_id, seq)"
+)
+#: Retention in the default partition (rows of days with no partition): rows and their keys.
+_EXPIRE_DEFAULT = (
+    "WITH old AS (DELETE FROM messages_default WHERE (device, boot_id, seq, kind, t_ns) IN "
+    "(SELECT device, boot_id, seq, kind, t_ns FROM messages_default WHERE kind = %s "
+    "AND t_ns < %s LIMIT %s) RETURNING device, boot_id, seq), "
+    "keys AS (DELETE FROM message_keys WHERE (device, boot_id, seq) IN (SELECT * FROM old)) "
+    "SELECT count(*) FROM old"
+)
+#: Keys of a kind older than a dropped day's end whose message is not in the default
+#: partition: their day's partition is gone.
+_EXPIRE_KEYS = (
+    "DELETE FROM message_keys WHERE (device, boot_id, seq) IN (SELECT k.device, k.boot_id, "
+    "k.seq FROM message_keys k WHERE k.kind = %s AND k.t_ns < %s AND NOT EXISTS (SELECT 1 "
+    "FROM messages_default d WHERE d.device = k.device AND d.boot_id = k.boot_id "
+    "AND d.seq = k.seq AND d.kind = k.kind AND d.t_ns = k.t_ns) LIMIT %s)"
+)
+#: Where a key not inserted holds another body: through message_keys to the stored copy
+#: (its kind and t_ns name the one partition to look in).
+_CONFLICTS_OF = (
+    "SELECT b.device, b.boot_id, b.seq FROM {batch} "
+    "JOIN message_keys k USING (device, boot_id, seq) "
+    "JOIN messages m ON m.device = k.device AND m.boot_id = k.boot_id AND m.seq = k.seq "
+    "AND m.kind = k.kind AND m.t_ns = k.t_ns WHERE m.body <> b.body"
+)
+
+
+def _day_partitions(db: psycopg.Connection[tuple[Any, ...]], kind: str) -> list[tuple[str, int]]:
+    """``(name, UTC day number)`` of ``kind``'s day partitions of ``messages`` (named by
+    ``fleet_partition_name``: ``messages_ota_status_20261205``)."""
+    prefix = "messages_" + re.sub("[^a-z]", "_", kind) + "_"
+    rows = db.execute(
+        "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+        "WHERE i.inhparent = 'messages'::regclass"
+    ).fetchall()
+    out: list[tuple[str, int]] = []
+    for (name,) in rows:
+        stamp = str(name).removeprefix(prefix)
+        if stamp != name and len(stamp) == 8 and stamp.isdigit():
+            day = datetime.strptime(stamp, "%Y%m%d").replace(tzinfo=UTC)
+            out.append((str(name), int(day.timestamp()) // 86_400))
+    return out
 
 
 def _columns(rows: Sequence[tuple[Any, ...]], width: int) -> list[list[Any]]:
@@ -78,9 +139,11 @@ class PostgresStore(SqlStore):
     """:class:`fleet.store.base.Store` on PostgreSQL. Use one per worker thread or process.
 
     ``insert_mode`` picks how a batch of messages is written: ``"copy"`` (binary COPY into a
-    temporary table, then one ``INSERT ... SELECT ... ON CONFLICT DO NOTHING``) or
-    ``"executemany"`` (pipelined single-row inserts). COPY is the default because it measured
-    faster for 500-row batches (see the report / ``bench``).
+    temporary table, then one statement that inserts the new keys into ``message_keys`` and
+    the messages whose key was new) or ``"executemany"`` (the same per row, pipelined). COPY
+    is the default because it measured faster for 500-row batches (``bench.fleet_ingest``).
+    Messages live in day partitions (schema v13): :meth:`prepare_history` makes them,
+    :meth:`expire` drops them.
     """
 
     PARAM = "%s"
@@ -188,7 +251,11 @@ class PostgresStore(SqlStore):
         if self.insert_mode == "executemany":
             keys: set[tuple[str, str, int]] = set()
             with db.cursor() as cur:
-                cur.executemany(_INSERT_MESSAGES + _RETURNING_KEY, batch.messages, returning=True)
+                cur.executemany(
+                    _INSERT_MESSAGE + _RETURNING_KEY,
+                    [(*m[:5], *m) for m in batch.messages],
+                    returning=True,
+                )
                 while True:
                     keys.update((r[0], r[1], int(r[2])) for r in cur.fetchall())
                     if not cur.nextset():
@@ -208,12 +275,7 @@ class PostgresStore(SqlStore):
                 cp.set_types(["text", "text", "int8", "text", "int8", "int8", "text", "bytea"])
                 for m in batch.messages:
                     cp.write_row(m)
-            cur.execute(
-                f"INSERT INTO messages ({_MESSAGE_COLUMNS}) "  # noqa: S608 - constants
-                f"SELECT {_MESSAGE_COLUMNS} FROM ingest_batch "
-                "ORDER BY device, boot_id, seq "
-                "ON CONFLICT (device, boot_id, seq) DO NOTHING" + _RETURNING_KEY
-            )
+            cur.execute(_INSERT_BATCH + _RETURNING_KEY)
             return {(r[0], r[1], int(r[2])) for r in cur.fetchall()}
 
     def ingest(self, rows: Sequence[Row]) -> IngestResult:
@@ -279,16 +341,14 @@ class PostgresStore(SqlStore):
         READ COMMITTED this statement sees a row another worker committed while our
         insert waited on its key."""
         if self.insert_mode == "copy":
-            cur.execute(
-                "SELECT b.device, b.boot_id, b.seq FROM ingest_batch b "
-                "JOIN messages m USING (device, boot_id, seq) WHERE m.body <> b.body"
-            )
+            cur.execute(_CONFLICTS_OF.format(batch="ingest_batch b"))
         else:
             cols = _columns([(r.device, r.boot_id, r.seq, r.body) for r in batch.rows], 4)
             cur.execute(
-                "SELECT b.device, b.boot_id, b.seq FROM unnest(%s::text[], %s::text[], "
-                "%s::int8[], %s::bytea[]) AS b (device, boot_id, seq, body) "
-                "JOIN messages m USING (device, boot_id, seq) WHERE m.body <> b.body",
+                _CONFLICTS_OF.format(
+                    batch="unnest(%s::text[], %s::text[], %s::int8[], %s::bytea[]) "
+                    "AS b (device, boot_id, seq, body)"
+                ),
                 cols,
             )
         keys = {(str(d), str(b), int(q)) for d, b, q in cur.fetchall()}
@@ -321,6 +381,54 @@ class PostgresStore(SqlStore):
                 self._apply_state(db, device, state, row)
 
         self._run("record_state", go)
+
+    def prepare_history(self, now_ns: int) -> int:
+        today = now_ns // DAY_NS
+
+        def go(db: psycopg.Connection[tuple[Any, ...]]) -> int:
+            made = 0
+            with db.transaction():
+                for kind in DATA_KINDS:
+                    for day in range(today - 1, today + PARTITION_DAYS_AHEAD + 1):
+                        row = db.execute(
+                            "SELECT fleet_ensure_partition(%s, %s)", (kind, day)
+                        ).fetchone()
+                        made += bool(row and row[0])
+            return made
+
+        return self._run("prepare_history", go)
+
+    def expire(self, kind: str, before_ns: int, limit: int) -> int:
+        if kind not in DATA_KINDS:
+            return super().expire(kind, before_ns, limit)
+
+        def go(db: psycopg.Connection[tuple[Any, ...]]) -> int:
+            gone = 0
+            with db.transaction():
+                # Short: dropping a partition locks the whole table against the ingest. The
+                # same lock as fleet_ensure_partition: no partition is made meanwhile.
+                db.execute("SELECT pg_advisory_xact_lock(hashtext('fleet_partitions'))")
+                for name, day in _day_partitions(db, kind):
+                    if (day + 1) * DAY_NS <= before_ns:
+                        row = db.execute(
+                            sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(name))
+                        ).fetchone()
+                        gone += int(row[0]) if row else 0
+                        db.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(name)))
+            with db.transaction():
+                row = db.execute(_EXPIRE_DEFAULT, (kind, before_ns, limit)).fetchone()
+                gone += int(row[0]) if row else 0
+                db.execute(self._sql(_common.RECORD_FLOOR), (kind, before_ns))
+            # The keys of the days dropped, ``limit`` per transaction: none of them holds a
+            # lock the ingest needs, and until they go a late copy is a duplicate.
+            below = before_ns // DAY_NS * DAY_NS
+            while True:
+                with db.transaction():
+                    n = db.execute(_EXPIRE_KEYS, (kind, below, limit)).rowcount
+                if n < limit:
+                    return gone
+
+        return self._run("expire", go)
 
     def ping(self) -> None:
         # A standby (a failover that left us on the wrong server) or a database set

@@ -251,6 +251,9 @@ class MemoryStore:
             return below.t_ns >= self._floor  # a hole or a tail: the message before it
         return first_received_ns >= self._floor  # a head or a boot of which nothing is left
 
+    def prepare_history(self, now_ns: int) -> int:
+        return 0  # one dict, nothing to make ready
+
     def expire(self, kind: str, before_ns: int, limit: int) -> int:
         if kind == "quarantine":
             old = [q for q in self._quarantine if q.received_ns < before_ns][:limit]
