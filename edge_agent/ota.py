@@ -156,6 +156,8 @@ class AgentOta:
         self.serving_model = FACTORY
         self._pending: list[tuple[Journal, str, dict[str, Any]]] = []
         self._task: asyncio.Task[Outcome | None] | None = None
+        #: The bundle ``_task`` installs ("" for a probation resumed at start).
+        self._task_bundle = ""
         self._background: set[asyncio.Task[Outcome]] = set()
         self.transitions = 0
         #: The sha of the model that came with the image, once known (see Agent).
@@ -236,6 +238,8 @@ class AgentOta:
         if action == "continue_probation":
             coro = self.updater.recover(running_agent_version=running)
             self._task = asyncio.get_running_loop().create_task(coro, name="ota:probation")
+            up = self.updater.journal.update
+            self._task_bundle = up.bundle_id if up is not None else ""
         else:
             outcome = await self.updater.recover(running_agent_version=running)
             if outcome is not None:
@@ -573,6 +577,11 @@ class AgentOta:
             log.warning("ota: command refused: %s", exc)
             return
         if self._task is not None and not self._task.done():
+            if cmd.action == "install" and cmd.bundle_id == self._task_bundle:
+                # The same offer again (a new rollout leader sending what the one before
+                # may have sent): the update it asks for is the one running.
+                log.info("ota: offer %s is in progress already", cmd.bundle_id)
+                return
             if cmd.action == "install":
                 self._report_busy(cmd.bundle_id, "another update is in progress")
                 return
@@ -594,6 +603,7 @@ class AgentOta:
         task = asyncio.get_running_loop().create_task(coro, name=f"ota:{cmd.bundle_id}")
         task.add_done_callback(functools.partial(self._finished, cmd.bundle_id))
         self._task = task
+        self._task_bundle = cmd.bundle_id
 
     def _finished(self, bundle_id: str, task: asyncio.Task[Outcome | None]) -> None:
         if task.cancelled():

@@ -10,6 +10,7 @@ against SQLite by tests/test_memstore.py), whose ``save_rollout`` fails on deman
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +131,7 @@ def memory_store(devices: list[str]) -> FlakyStore:
     return store
 
 
-def orchestrator(store: Store, clock: Clock, broker: Broker) -> Orchestrator:
+def orchestrator(store: Store, clock: Clock, broker: Callable[[str, bytes], bool]) -> Orchestrator:
     return Orchestrator(
         store, publish=broker, url_for=lambda sha, t: f"http://x/{sha}", clock=clock
     )
@@ -423,3 +424,37 @@ def test_an_abort_of_a_rollout_halted_long_ago_is_still_applied(tmp_path: Path) 
     assert r.state == "aborted"
     assert r.devices["d1"].state == "aborted"
     assert broker.take() == [("d1", "rollback")]
+
+
+def test_offers_saved_but_never_sent_are_sent_by_the_next_leader_and_only_once() -> None:
+    store = memory_store(["d0", "d1", "d2"])
+    clock = Clock()
+    add_rollout(store, "r1", [["d0", "d1"], ["d2"]], m.Params(min_devices=1), T0)
+
+    def killed(topic_name: str, payload: bytes) -> bool:
+        raise SystemExit("the leader died between the save and the send")
+
+    with pytest.raises(SystemExit):
+        orchestrator(store, clock, killed).step()
+    r = stored(store, "r1")
+    assert [(d.state, d.attempts, d.sent_ns) for d in r.devices.values()][:2] == [
+        ("offered", 1, 0),
+        ("offered", 1, 0),
+    ]
+    # The next leader sends what was saved and never sent, once, and records it.
+    broker = Broker()
+    nxt = orchestrator(store, clock, broker)
+    clock.at(1)
+    nxt.step()
+    assert sorted(broker.take()) == [("d0", "install"), ("d1", "install")]
+    r = stored(store, "r1")
+    assert all(r.devices[d].sent_ns == r.devices[d].offered_ns > 0 for d in ("d0", "d1"))
+    assert r.devices["d0"].attempts == 1, "the same offer, not another attempt"
+    clock.at(2)
+    nxt.step()
+    assert broker.take() == []
+    # A leader after one that sent (and recorded it) sends nothing again.
+    third = orchestrator(store, clock, broker)
+    clock.at(3)
+    third.step()
+    assert broker.take() == []

@@ -68,6 +68,10 @@ class DeviceRun:
     #: The device's ``t_ns`` of the newest report applied: orders a boot id never seen
     #: against ``boot_id`` (0: nothing applied yet, or a document from before this field).
     t_ns: int = 0
+    #: ``offered_ns`` of the offer the orchestrator handed to the broker (its record, saved
+    #: after the send): an offer saved but never marked sent is sent again by the next
+    #: leader. 0: not known to be sent.
+    sent_ns: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -297,6 +297,8 @@ class Orchestrator:
         self._bad_docs: set[str] = set()
         #: The lead's fencing token this orchestrator saves under (None: no lead to check).
         self.epoch: int | None = None
+        #: The epoch whose first step sent again what the lead before left unsent.
+        self._resumed: int | None = -1
 
     def _site(self, device: str) -> str | None:
         if device not in self._sites:
@@ -327,23 +329,70 @@ class Orchestrator:
                 # After a (re)start: every status since the oldest active rollout began.
                 cursor = min(r.created_ns for r, _ in work.rollouts.values()) - 1
             cursor = self._apply_statuses(work, cursor, now)
+        if self._resumed != self.epoch:
+            # Before the ticks: only offers of an earlier step, not those this one makes.
+            self._resume(work)
         for rid in list(work.rollouts):
             work.tick(rid, now)
         saved: set[str] = set()
+        sent: list[tuple[str, str]] = []
         try:
             for rid in sorted(work.changed):
                 r, transport = work.rollouts[rid]
-                doc = json.dumps({**r.to_json(), "transport": transport})
-                self.store.save_rollout(rid, r.state, doc, now, epoch=self.epoch)
+                self._save(r, transport, now)
                 saved.add(rid)
         finally:
             # Even when a later save failed: a saved rollout counts on its commands sent.
-            self._publish([(r, t, c) for r, t, c in work.commands if r.id in saved])
+            sent = self._publish([(r, t, c) for r, t, c in work.commands if r.id in saved])
+        self._mark_sent(work, sent, now)
+        self._resumed = self.epoch
         # Every save went through: the step is done.
         if requests:
             self.store.finish_rollout_requests([i for i, _, _ in requests], now)
         self.cursor = cursor
         return [r for r, _ in work.rollouts.values() if r.state in ("running", "paused")]
+
+    def _save(self, r: m.Rollout, transport: str, now: int) -> None:
+        doc = json.dumps({**r.to_json(), "transport": transport})
+        self.store.save_rollout(r.id, r.state, doc, now, epoch=self.epoch)
+
+    def _resume(self, work: _Step) -> None:
+        """The first step under a lead (a new leader, or this process started): offer again
+        to every device whose offer was saved but never recorded as sent (the leader before
+        died between the two). After the save under this epoch, like any command: a device
+        that got the offer after all ignores it while it runs, or answers that it has that
+        version already."""
+        for rid, (r, transport) in work.rollouts.items():
+            if r.state != "running":
+                continue
+            unsent = [
+                d.device
+                for d in r.devices.values()
+                if d.state == "offered" and d.attempts and d.sent_ns < d.offered_ns
+            ]
+            if unsent:
+                log.warning("rollout %s: %d offers not known to be sent: sending", rid, len(unsent))
+                work.commands += [(r, transport, m.Command("offer", name)) for name in unsent]
+                work.changed.add(rid)
+
+    def _mark_sent(self, work: _Step, sent: list[tuple[str, str]], now: int) -> None:
+        """Record the offers handed to the broker (``sent_ns``), so that a next leader does
+        not send them again."""
+        by_rollout: dict[str, list[str]] = {}
+        for rid, device in sent:
+            by_rollout.setdefault(rid, []).append(device)
+        for rid, names in sorted(by_rollout.items()):
+            if rid not in work.rollouts:
+                continue
+            r, transport = work.rollouts[rid]
+            devices = dict(r.devices)
+            for name in names:
+                d = devices.get(name)
+                if d is not None and d.state == "offered":
+                    devices[name] = replace(d, sent_ns=d.offered_ns)
+            r = replace(r, devices=devices)
+            work.rollouts[rid] = (r, transport)
+            self._save(r, transport, now)
 
     def _watched(self, now: int, asked: set[str]) -> dict[str, tuple[m.Rollout, str]]:
         """The stored rollouts this step looks at: active ones, those stopped within
@@ -435,21 +484,29 @@ class Orchestrator:
             last, body = page[-1]
             page = self.store.ota_status_since(last, limit=STATUS_PAGE, after=body)
 
-    def _publish(self, commands: list[tuple[m.Rollout, str, m.Command]]) -> None:
+    def _publish(self, commands: list[tuple[m.Rollout, str, m.Command]]) -> list[tuple[str, str]]:
+        """Send ``commands`` (and what an earlier step could not); the ``(rollout, device)``
+        of the offers handed to the broker."""
+        sent: list[tuple[str, str]] = []
         unsent, self._unsent = self._unsent, []
         for rid, c, topic_name, payload in unsent:
             if self.publish(topic_name, payload):
                 self.sent[c.action] += 1
+                if c.action == "offer":
+                    sent.append((rid, c.device))
             else:
                 self._unsent.append((rid, c, topic_name, payload))
         for r, transport, c in commands:
-            self._send(r, transport, c)
+            if self._send(r, transport, c):
+                sent.append((r.id, c.device))
+        return sent
 
-    def _send(self, r: m.Rollout, transport: str, c: m.Command) -> None:
+    def _send(self, r: m.Rollout, transport: str, c: m.Command) -> bool:
+        """Publish ``c``; whether it was an offer handed to the broker."""
         site = self._site(c.device)
         if site is None:
             log.warning("rollout %s: device %s is not in the registry", r.id, c.device)
-            return
+            return False
         if c.action == "offer":
             url = self.url_for(r.sha256, transport)
             cmd = OtaCommand(
@@ -466,10 +523,10 @@ class Orchestrator:
         payload = encode_command(cmd)
         if self.publish(topic(site, c.device, "cmd/ota"), payload):
             self.sent[c.action] += 1
-        else:
-            # Not connected: sent again at the next step (a restart loses it; the device
-            # timeout then stands in).
-            self._unsent.append((r.id, c, topic(site, c.device, "cmd/ota"), payload))
+            return c.action == "offer"
+        # Not connected: sent again at the next step (or, after a restart, by _resume).
+        self._unsent.append((r.id, c, topic(site, c.device, "cmd/ota"), payload))
+        return False
 
 
 __all__ = ["Orchestrator", "create_rollout", "read_bundle", "request"]
