@@ -49,7 +49,15 @@ from typing import Any
 import psycopg
 
 from bench.fleet_devices import FD_MARGIN, _raise_nofile
-from bench.fleet_scale_run import Nodes, OfferCounter, Peer, ready_probe, stored_count
+from bench.fleet_scale_run import (
+    Nodes,
+    OfferCounter,
+    Peer,
+    broker_rss_mb,
+    engines_cpu_s,
+    ready_probe,
+    stored_count,
+)
 from fleet.rollout import machine as m
 from fleet.rollout.orchestrator import create_rollout, load
 from fleet.store import open_store
@@ -79,6 +87,7 @@ def _phase(
     acked message is stored (or ``STORE_WAIT_S`` passed). The counts are cumulative over
     the run, the stored one in the same terms as the acked one (``stored_count``)."""
     cpu0 = nodes.cpu_s() if nodes else 0.0
+    engines0 = engines_cpu_s(nodes.broker) if nodes else {}
     t_go = time.monotonic()
     for h in hosts:
         h.send(f"run {seconds}")
@@ -99,12 +108,16 @@ def _phase(
         stored = stored_count()
     took = time.monotonic() - t_go
     cpu = nodes.cpu_s() - cpu0
+    engines = engines_cpu_s(nodes.broker)
     out.update(
         acked_total=acked,
         stored_total=stored,
         msgs_per_s=round(phase_acked / took, 1),
         fleet_cpu_pct=round(100 * cpu / took, 1),
         rss_mb_per_node=nodes.rss_mb(),
+        broker_cpu_pct=round(100 * (engines["broker"] - engines0["broker"]) / took, 1),
+        postgres_cpu_pct=round(100 * (engines["postgres"] - engines0["postgres"]) / took, 1),
+        broker_rss_mb=broker_rss_mb(nodes.broker),
     )
     return out
 

@@ -189,6 +189,28 @@ class Nodes:
             del self.running[name]
 
 
+def engines_cpu_s(broker: Mosquitto) -> dict[str, float]:
+    """CPU seconds so far of the broker and of every PostgreSQL server process (the server
+    is shared: other clients' work counts too, which the bench has none of)."""
+    out = {"broker": 0.0, "postgres": 0.0}
+    with contextlib.suppress(psutil.Error):
+        if broker.proc is not None:
+            t = psutil.Process(broker.proc.pid).cpu_times()
+            out["broker"] = t.user + t.system
+    for p in psutil.process_iter(["name", "cpu_times"]):
+        if p.info["name"] == "postgres" and p.info["cpu_times"] is not None:
+            out["postgres"] += p.info["cpu_times"].user + p.info["cpu_times"].system
+    return out
+
+
+def broker_rss_mb(broker: Mosquitto) -> float:
+    with contextlib.suppress(psutil.Error):
+        if broker.proc is not None:
+            rss: int = psutil.Process(broker.proc.pid).memory_info().rss
+            return round(rss / 1e6, 1)
+    return 0.0
+
+
 class OfferCounter:
     """Every ``cmd/ota`` install offer to a rollout device, counted per device."""
 

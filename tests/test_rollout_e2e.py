@@ -250,3 +250,46 @@ def test_a_slow_model_halts_at_the_first_wave_and_those_devices_roll_back(
         assert all(any(w in t for w in causes) for t in reasons), reasons
         assert all(r.devices[n].attempts == 0 for n in r.waves[1]), "the halt held wave 2"
         wait_for(lambda: set(f.serving().values()) == {factory}, 20, "wave 1 back on factory")
+
+
+def test_an_offer_delivered_twice_is_one_update_and_no_busy_report(
+    tmp_path: Path, broker: Mosquitto
+) -> None:
+    """A new leader sends again an offer the one before may have sent: the agent running
+    that update ignores the copy (before: it answered "busy", a failed attempt)."""
+    import paho.mqtt.client as mqtt  # noqa: PLC0415 - only this test echoes commands
+    from paho.mqtt.enums import CallbackAPIVersion  # noqa: PLC0415
+
+    echoed: list[bytes] = []
+    echo = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="t-echo", protocol=mqtt.MQTTv5)
+
+    def again(client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        if not echoed and msg.retain == 0:
+            echoed.append(bytes(msg.payload))
+            client.publish(msg.topic, msg.payload, qos=1)  # the same offer, a second time
+
+    echo.on_message = again
+    echo.connect(broker.host, broker.port)
+    echo.loop_start()
+    try:
+        with fleet(tmp_path, broker, 1) as f:
+            echo.subscribe("edgefleet/v1/+/dev-00/cmd/ota", qos=1)
+            time.sleep(0.5)
+            bundle, _ = model_bundle(f, "v2", probation={"seconds": 2, "min_windows": 5})
+            rid = f.create(bundle, waves=(1.0,), min_devices=1, device_timeout_s=60)
+            r = f.wait_state(rid, {"completed", "halted"}, timeout=90)
+            assert r.state == "completed", dump(r)
+            assert r.devices["dev-00"].attempts == 1
+            assert echoed, "the offer was delivered twice"
+            st = f.store()
+            try:
+                codes = [
+                    json.loads(body).get("detail", {}).get("code")
+                    for _, body in st.ota_status_since(0, limit=1000)
+                ]
+            finally:
+                st.close()
+            assert "busy" not in codes, codes
+    finally:
+        echo.disconnect()
+        echo.loop_stop()
