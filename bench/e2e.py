@@ -42,6 +42,11 @@ Keys (``--json``: one object on the last line):
   status has no such key (nothing is computed here instead);
 * ``cpu_pct``: agent process CPU (all threads) over the measured interval, % of one core
   (psutil); ``bare_cpu_pct`` the same for the bare baseline;
+* ``cpu_vs_bare``: ``cpu_pct / bare_cpu_pct`` (target <= 1.5);
+* ``host_stalls_per_s``: wake-ups of a probe process (:mod:`bench.host_stalls`, outside the
+  namespace) more than 1 ms late per second over the agent's measured interval
+  (``bare_host_stalls_per_s``: the bare one's): near 0 on a quiet host; a run with more is
+  a noisy run, whatever the agent did;
 * ``ready_s``: from spawning the agent to the first ``READY=1`` datagram, ``null`` if none
   came within 10 s;
 * ``windows``, ``decisions``, ``drops`` (the sum of every drop counter in the status, listed
@@ -74,9 +79,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
+
+from bench.host_stalls import HostStallProbe
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "bench" / "data" / "e2e"
@@ -542,6 +549,8 @@ class Interval:
     modbus_requests: int
     #: Requests per read block (``fc3@8+2``: function 3, address 8, 2 registers).
     modbus_by_block: dict[str, int]
+    #: Wake-ups of the host stall probe more than 1 ms late per second, same interval.
+    host_stalls_per_s: float = float("nan")
 
     @classmethod
     def between(
@@ -762,6 +771,9 @@ class Bench:
             )
             self.load = ModbusLoad(proc)
             self._stack.callback(self.load.close)
+            # Outside the namespace: the host's own scheduling is what it measures.
+            self.stalls = HostStallProbe()
+            self._stack.callback(self.stalls.close)
         except BaseException:
             self._stack.close()
             raise
@@ -808,12 +820,12 @@ class Bench:
         self, tx: SenderRun, warmup_s: float, measure_s: float, ps: Any, alive: Callable[[], bool]
     ) -> Interval:
         _sleep_until(tx.started + warmup_s, alive)
-        c0, cpu0 = self.load.count(), _cpu_s(ps)
+        c0, cpu0, s0 = self.load.count(), _cpu_s(ps), self.stalls.read()
         _sleep_until(tx.started + warmup_s + measure_s, alive)
-        c1, cpu1 = self.load.count(), _cpu_s(ps)
+        c1, cpu1, s1 = self.load.count(), _cpu_s(ps), self.stalls.read()
         tx.finish(timeout_s=30)
         time.sleep(0.3)  # frames still in the sockets reach the receiver
-        return Interval.between(c0, cpu0, c1, cpu1)
+        return replace(Interval.between(c0, cpu0, c1, cpu1), host_stalls_per_s=s1.rate_since(s0))
 
     def agent_phase(self, measure_s: float) -> AgentRun:
         """Spawn the agent, wait for READY, load it with CAN, measure, SIGTERM, read status."""
@@ -943,6 +955,11 @@ def figures(agent: AgentRun, bare_run: BareRun, notes: list[str]) -> dict[str, A
         "modbus_late_polls": sum(int(s.get("late_polls", 0)) for s in sources.values()),
         "loop": loop,
         "bare_cpu_pct": round(bare_run.interval.cpu_pct, 1),
+        "cpu_vs_bare": round(iv.cpu_pct / bare_run.interval.cpu_pct, 2)
+        if bare_run.interval.cpu_pct > 0
+        else None,
+        "host_stalls_per_s": round(iv.host_stalls_per_s, 2),
+        "bare_host_stalls_per_s": round(bare_run.interval.host_stalls_per_s, 2),
         "bare_frames_per_s": round(bare_run.frames / bare_run.sender.elapsed_s, 1),
         "bare_modbus_reads_per_s": round(bare_run.interval.modbus_reads_per_s, 1),
         "labels": _get(status, "reasoning", "labels"),
@@ -998,6 +1015,19 @@ def report(fig: Mapping[str, Any], say: Callable[..., None]) -> None:
             _verdict(fig["cpu_pct"], lambda v: v < TARGET_CPU_PCT),
         ),
         ("bare baseline CPU %", _fmt(fig["bare_cpu_pct"], ".1f"), "", ""),
+        (
+            "agent CPU / bare CPU",
+            _fmt(fig["cpu_vs_bare"], ".2f"),
+            "<= 1.5",
+            _verdict(fig["cpu_vs_bare"], lambda v: v <= 1.5),
+        ),
+        (
+            "host stalls/s > 1 ms (bare phase)",
+            f"{_fmt(fig['host_stalls_per_s'], '.2f')} "
+            f"({_fmt(fig['bare_host_stalls_per_s'], '.2f')})",
+            "~0 when quiet",
+            "",
+        ),
         (
             "READY s (spawn -> READY=1)",
             _fmt(fig["ready_s"], ".3f"),

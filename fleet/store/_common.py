@@ -373,7 +373,7 @@ RECORD_FLOOR = (
 )
 
 
-def gaps_sql(by_device: bool) -> str:
+def gaps_sql(by_device: bool, keys: str = "messages") -> str:
     """Gap detection in one query, per (device, boot): the head (seqs start at 0), holes
     between stored seqs (LAG over seq), and the tail up to the boot's watermark (the number
     of seqs the device had assigned when it last sent a state message; see
@@ -381,7 +381,8 @@ def gaps_sql(by_device: bool) -> str:
     ``held`` for :func:`gap_rows`. Nothing retention may have cut is reported: no hole
     above a message older than the newest cut (``history_floors``), no head or empty boot
     first heard of before it, no tail after a last message older than it. Written with ``?`` (see
-    :meth:`fleet.store.sql.SqlStore._sql`).
+    :meth:`fleet.store.sql.SqlStore._sql`). ``keys``: the table of stored keys and times
+    (``messages``, or PostgreSQL's unpartitioned ``message_keys``).
     """
     where = "WHERE device = ?" if by_device else ""
     bwhere = "AND b.device = ?" if by_device else ""
@@ -393,7 +394,7 @@ ordered AS (
     SELECT device, boot_id, seq, t_ns,
            LAG(seq) OVER (PARTITION BY device, boot_id ORDER BY seq) AS prev,
            LAG(t_ns) OVER (PARTITION BY device, boot_id ORDER BY seq) AS prev_t
-    FROM messages {where}
+    FROM {keys} {where}
 ),
 holes AS (
     SELECT device, boot_id, prev + 1 AS first_missing, seq - 1 AS last_missing
@@ -432,33 +433,37 @@ ORDER BY f.device, b.first_received_ns, f.boot_id, f.first_missing
 """  # noqa: S608 - constant fragments; values are bound parameters
 
 
-def holes_received_sql() -> str:
+def holes_received_sql(keys: str = "messages") -> str:
     """Holes behind the data messages received in ``[since, until)``: each such message
     whose seq - 1 is not stored is the upper edge of one; its lower edge is the highest
     stored seq below it (none: the hole starts at 0). Two index lookups per message
     received in the window (``(kind, received_ns)``, then the primary key), in the
     database; the rows it returns are only the holes, each with the boot's ``held`` for
-    :func:`gap_rows`. Bind ``(since, until)``."""
-    return """
+    :func:`gap_rows`. Bind ``(since, until)``. ``keys``: where the neighbours are looked up
+    (``messages``, or PostgreSQL's ``message_keys``: one index, not one per partition)."""
+    return f"""
 SELECT e.device, e.boot_id,
-       COALESCE((SELECT MAX(p.seq) FROM messages p
+       COALESCE((SELECT MAX(p.seq) FROM {keys} p
                  WHERE p.device = e.device AND p.boot_id = e.boot_id AND p.seq < e.seq), -1) + 1,
        e.seq - 1,
        (SELECT b.held FROM boots b WHERE b.device = e.device AND b.boot_id = e.boot_id)
 FROM messages e
 WHERE e.kind IN ('telemetry', 'decision', 'ota/status')
   AND e.received_ns >= ? AND e.received_ns < ? AND e.seq > 0
-  AND NOT EXISTS (SELECT 1 FROM messages q
+  AND NOT EXISTS (SELECT 1 FROM {keys} q
                   WHERE q.device = e.device AND q.boot_id = e.boot_id AND q.seq = e.seq - 1)
 ORDER BY 1, 2, 3
-"""
+"""  # noqa: S608 - a table name of ours
 
 
-#: Still missing (a hole can fill between the read and the write) and not yet recorded.
-HOLE_STILL_OPEN = (
-    "SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM messages WHERE device = ? AND boot_id = ? "
-    "AND seq BETWEEN ? AND ?)"
-)
+def hole_still_open_sql(keys: str = "messages") -> str:
+    """Still missing (a hole can fill between the read and the write) and not yet recorded."""
+    return (
+        f"SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM {keys} WHERE device = ? AND boot_id = ? "  # noqa: S608
+        "AND seq BETWEEN ? AND ?)"
+    )
+
+
 RECORD_HOLE = (
     "INSERT INTO ingest_gaps (device, boot_id, first_missing, last_missing, found_ns) "
     "VALUES (?, ?, ?, ?, ?) ON CONFLICT (device, boot_id, first_missing) DO NOTHING"

@@ -147,6 +147,8 @@ class PostgresStore(SqlStore):
     """
 
     PARAM = "%s"
+    #: One unpartitioned index for key lookups instead of one per day partition.
+    _KEYS = "message_keys"
     _FOR_SHARE = " FOR SHARE"
 
     def __init__(self, url: str, *, insert_mode: Literal["copy", "executemany"] = "copy") -> None:

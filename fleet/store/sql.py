@@ -38,6 +38,9 @@ class SqlStore(AccessSql, ConsoleSql):
     through :meth:`_run`.
     """
 
+    #: Where the stored keys (device, boot_id, seq) and their t_ns are looked up for gaps.
+    _KEYS = "messages"
+
     # -- registry ----------------------------------------------------------------------------
 
     def device_site(self, device: str) -> str | None:
@@ -202,13 +205,13 @@ class SqlStore(AccessSql, ConsoleSql):
         return self._run("decisions", go)
 
     def gaps(self, device: str | None = None) -> list[Gap]:
-        sql = self._sql(_common.gaps_sql(device is not None))
+        sql = self._sql(_common.gaps_sql(device is not None, self._KEYS))
         args = () if device is None else (device, device)
         return self._run("gaps", lambda db: _common.gap_rows(db.execute(sql, args).fetchall()))
 
     def record_new_gaps(self, since_ns: int, until_ns: int, found_ns: int) -> list[Gap]:
-        holes_sql = self._sql(_common.holes_received_sql())
-        still_open = self._sql(_common.HOLE_STILL_OPEN)
+        holes_sql = self._sql(_common.holes_received_sql(self._KEYS))
+        still_open = self._sql(_common.hole_still_open_sql(self._KEYS))
         record = self._sql(_common.RECORD_HOLE)
 
         def go(db: Connection) -> list[Gap]:
