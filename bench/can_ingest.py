@@ -17,7 +17,11 @@ frames (``bench/data/can_ingest.dbc``). Both processes read the same CLOCK_REALT
 * ``delivery_p50_us``/``delivery_p99_us``: when the consumer drained the sample minus the
   sender's clock: adds decoding, batching (<= 2 ms) and the loop wake-up;
 * ``drops``: samples the buffer dropped plus frames sent but never received;
-* ``cpu_pct``: receiver process CPU (all threads) over the measured interval, % of one core.
+* ``cpu_pct``: receiver process CPU (all threads) over the measured interval, % of one core;
+* ``cpu_ms_per_1000_frames`` next to ``bare_cpu_ms_per_1000_frames``: CPU per 1,000 frames
+  received of the receiver and of a bare python-can ``Bus.recv()`` loop on the same bus at
+  the same rate (``bare_cpu_pct``, ``bare_drops``): what receive -> stamp -> decode ->
+  sample costs above only receiving.
 
 Then the rate is ramped until a step drops frames or the sender cannot keep the pace;
 ``max_frames_per_s`` is the best rate received with zero drops.
@@ -210,6 +214,50 @@ async def receiver(group: str, port: int) -> None:
     print(json.dumps(out), flush=True)
 
 
+def bare_receiver(group: str, port: int) -> None:
+    """The baseline: a python-can ``Bus.recv()`` loop on the same bus that only counts
+    frames, measured like the receiver (CPU between its first and last frame)."""
+    import threading  # noqa: PLC0415
+
+    import can  # noqa: PLC0415
+
+    bus = can.Bus(interface="udp_multicast", channel=group, port=port, fd=False)
+    stop = threading.Event()
+    print("READY", flush=True)
+
+    def wait_stop() -> None:
+        sys.stdin.readline()
+        stop.set()
+
+    threading.Thread(target=wait_stop, daemon=True).start()
+    n = 0
+    first: tuple[float, float] | None = None
+    last: tuple[float, float] = (0.0, 0.0)
+    while True:
+        msg = bus.recv(0.2)
+        if msg is None:
+            if stop.is_set():
+                break
+            continue
+        n += 1
+        last = (time.monotonic(), time.process_time())
+        if first is None:
+            first = last
+    bus.shutdown()
+    out: dict[str, Any] = {"stats": {"frames": n}, "buffer_dropped": 0}
+    if first is not None and last[0] > first[0]:
+        wall = last[0] - first[0]
+        out.update(frames_per_s=(n - 1) / wall, cpu_pct=100 * (last[1] - first[1]) / wall)
+    nan = float("nan")
+    out.update(p50_us=nan, p99_us=nan, delivery_p50_us=nan, delivery_p99_us=nan)
+    print(json.dumps(out), flush=True)
+
+
+def cpu_ms_per_1000(step: "Step") -> float:
+    """CPU time one process spent per 1,000 frames received, in ms."""
+    return 1e6 * (step.cpu_pct / 100.0) / step.frames_per_s if step.frames_per_s else 0.0
+
+
 # -- orchestration (host namespace; starts the two processes in the netns) ----------------
 
 
@@ -237,14 +285,14 @@ class Step:
         return self.sender_rate >= PACE_OK * self.rate
 
 
-def run_step(ns: str, rate: int, seconds: float, port: int) -> Step:
+def run_step(ns: str, rate: int, seconds: float, port: int, role: str = "receiver") -> Step:
     from tests.support.netns import in_netns  # noqa: PLC0415
 
     me = [sys.executable, "-m", "bench.can_ingest"]
     bus = ["--group", GROUP, "--port", str(port)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     rx = subprocess.Popen(
-        in_netns(ns, [*me, "--role", "receiver", *bus]),
+        in_netns(ns, [*me, "--role", role, *bus]),
         cwd=REPO,
         env=env,
         stdin=subprocess.PIPE,
@@ -327,6 +375,9 @@ def orchestrate(quick: bool, as_json: bool) -> int:
         say(HEADER)
         base = run_step(ns, BASE_RATE, base_s, port)
         say(_row(base))
+        port += 1
+        bare = run_step(ns, BASE_RATE, base_s, port, role="bare")
+        say(_row(bare) + "   (bare Bus.recv loop)")
         say(f"ramp ({step_s:.1f} s per step):")
         best: Step | None = base if base.drops == 0 and base.paced else None
         limit = "base rate failed"
@@ -351,7 +402,8 @@ def orchestrate(quick: bool, as_json: bool) -> int:
     say(
         f"at {BASE_RATE} frames/s: {base.frames_per_s:.0f} decoded frames/s, {base.drops} drops, "
         f"latency p50 {base.p50_us:.0f} µs p99 {base.p99_us:.0f} µs, "
-        f"cpu {base.cpu_pct:.1f} % of one core"
+        f"cpu {base.cpu_pct:.1f} % of one core; per 1,000 frames {cpu_ms_per_1000(base):.2f} ms "
+        f"of CPU against {cpu_ms_per_1000(bare):.2f} ms for a bare Bus.recv loop"
     )
     say(
         f"max with zero drops: {max_fps} frames/s (ramp stopped: {limit}); "
@@ -367,6 +419,10 @@ def orchestrate(quick: bool, as_json: bool) -> int:
                     "p50_us": round(base.p50_us, 1),
                     "p99_us": round(base.p99_us, 1),
                     "cpu_pct": round(base.cpu_pct, 1),
+                    "bare_cpu_pct": round(bare.cpu_pct, 1),
+                    "cpu_ms_per_1000_frames": round(cpu_ms_per_1000(base), 2),
+                    "bare_cpu_ms_per_1000_frames": round(cpu_ms_per_1000(bare), 2),
+                    "bare_drops": bare.drops,
                     "max_frames_per_s": max_fps,
                     "delivery_p50_us": round(base.delivery_p50_us, 1),
                     "delivery_p99_us": round(base.delivery_p99_us, 1),
@@ -385,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--json", action="store_true", help="figures as one JSON object on the last line"
     )
-    parser.add_argument("--role", choices=("sender", "receiver"), help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=("sender", "receiver", "bare"), help=argparse.SUPPRESS)
     parser.add_argument("--group", default=GROUP, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--rate", type=float, default=BASE_RATE, help=argparse.SUPPRESS)
@@ -398,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     assert_isolated()
     if args.role == "sender":
         sender(args.group, args.port, args.rate, args.seconds)
+    elif args.role == "bare":
+        bare_receiver(args.group, args.port)
     else:
         asyncio.run(receiver(args.group, args.port))
     return 0
