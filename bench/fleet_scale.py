@@ -80,12 +80,12 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def _phase(
-    hosts: list[Peer], stored_count: Callable[[], int], seconds: float, before: int,
+    hosts: list[Peer], counted: Callable[[], int], seconds: float, before: int,
     nodes: Nodes | None,
 ) -> dict[str, Any]:  # fmt: skip
     """Every device host publishes for ``seconds``; returns the phase's figures once every
     acked message is stored (or ``STORE_WAIT_S`` passed). The counts are cumulative over
-    the run, the stored one in the same terms as the acked one (``stored_count``)."""
+    the run, the stored one in the same terms as the acked one (``counted``)."""
     cpu0 = nodes.cpu_s() if nodes else 0.0
     engines0 = engines_cpu_s(nodes.broker) if nodes else {}
     t_go = time.monotonic()
@@ -102,10 +102,10 @@ def _phase(
     if nodes is None:
         return {**out, "t_go": t_go, "acked_total": acked}
     deadline = time.monotonic() + STORE_WAIT_S
-    stored = stored_count()
+    stored = counted()
     while stored < acked and time.monotonic() < deadline:
         time.sleep(0.1)
-        stored = stored_count()
+        stored = counted()
     took = time.monotonic() - t_go
     cpu = nodes.cpu_s() - cpu0
     engines = engines_cpu_s(nodes.broker)
@@ -341,7 +341,7 @@ def run(devices: int, seconds: float, rate: float, node_counts: list[int], hours
                     nodes.start(f"n{len(nodes.running) + 1}")
                 nodes.wait_alive(n)
                 if n == node_counts[0]:
-                    before = ready_probe(broker, url, before)
+                    ready_probe(broker, url)
                 if n == node_counts[-1] and n >= 2:
                     say(f"{n} nodes, rollout to {ROLLOUT_DEVICES} agents, leader killed ...")
                     rollout, p = _rollout(work, url, broker.port, nodes, hosts, seconds, before)
@@ -377,13 +377,13 @@ def run(devices: int, seconds: float, rate: float, node_counts: list[int], hours
     return figures
 
 
-def _drain(p: dict[str, Any], stored_count: Callable[[], int], nodes: Nodes) -> dict[str, Any]:
+def _drain(p: dict[str, Any], counted: Callable[[], int], nodes: Nodes) -> dict[str, Any]:
     """The rollout phase's store catching up (its rate spans the kill and restart)."""
     deadline = time.monotonic() + STORE_WAIT_S
-    stored = stored_count()
+    stored = counted()
     while stored < p["acked_total"] and time.monotonic() < deadline:
         time.sleep(0.2)
-        stored = stored_count()
+        stored = counted()
     return {**p, "stored_total": stored, "rss_mb_per_node": nodes.rss_mb()}
 
 

@@ -253,7 +253,7 @@ def stored_count(url: str) -> int:
     return int(row[0]) if row else 0
 
 
-def ready_probe(broker: Mosquitto, url: str, before: int) -> int:
+def ready_probe(broker: Mosquitto, url: str) -> None:
     """Publish probe messages (device ``bench-probe``) until one is stored: then the ingest's
     shared subscription exists and nothing the devices send can miss it."""
     probe = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="bench-probe", protocol=mqtt.MQTTv5)
@@ -271,7 +271,7 @@ def ready_probe(broker: Mosquitto, url: str, before: int) -> int:
                     "SELECT count(*) FROM messages WHERE device = 'bench-probe'"
                 ).fetchone()
             if row and row[0]:
-                return before
+                return
         raise RuntimeError("fleet serve stored no probe message within 60 s")
     finally:
         probe.disconnect()

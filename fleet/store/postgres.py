@@ -388,15 +388,13 @@ class PostgresStore(SqlStore):
         today = now_ns // DAY_NS
 
         def go(db: psycopg.Connection[tuple[Any, ...]]) -> int:
-            made = 0
             with db.transaction():
-                for kind in DATA_KINDS:
-                    for day in range(today - 1, today + PARTITION_DAYS_AHEAD + 1):
-                        row = db.execute(
-                            "SELECT fleet_ensure_partition(%s, %s)", (kind, day)
-                        ).fetchone()
-                        made += bool(row and row[0])
-            return made
+                row = db.execute(
+                    "SELECT count(*) FILTER (WHERE fleet_ensure_partition(k, d)) "
+                    "FROM unnest(%s::text[]) AS k, generate_series(%s::int8, %s::int8) AS d",
+                    (list(DATA_KINDS), today - 1, today + PARTITION_DAYS_AHEAD),
+                ).fetchone()
+            return int(row[0]) if row else 0
 
         return self._run("prepare_history", go)
 
