@@ -71,6 +71,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -83,7 +84,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
+from bench.e2e_trace import analyze
 from bench.host_stalls import HostStallProbe
+from bench.profile import Profile
+from drivers.osthread import name_os_thread
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "bench" / "data" / "e2e"
@@ -402,6 +406,7 @@ async def bare(buses: Mapping[str, tuple[str, int]], modbus_port: int) -> None:
     stop = threading.Event()
 
     def receive(i: int, bus: Any) -> None:
+        name_os_thread(f"bare-rx-{i}")
         recv = bus.recv
         n = 0
         while not stop.is_set():
@@ -551,6 +556,11 @@ class Interval:
     modbus_by_block: dict[str, int]
     #: Wake-ups of the host stall probe more than 1 ms late per second, same interval.
     host_stalls_per_s: float = float("nan")
+    #: The interval on the wall clock (UNIX ns), to pick the agent's traced windows in it.
+    start_ns: int = 0
+    end_ns: int = 0
+    #: CPU % of one core per thread name over the interval.
+    threads_pct: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def between(
@@ -607,6 +617,28 @@ class SenderRun:
 def _cpu_s(proc: Any) -> float:
     t = proc.cpu_times()
     return float(t.user + t.system)
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name (the kernel's ``comm``; threads of one name summed)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            name = (task / "comm").read_text().strip()
+            # comm may hold spaces and parentheses: the fields start after the last ')'.
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _threads_pct(
+    t0: Mapping[str, float], t1: Mapping[str, float], wall_s: float
+) -> dict[str, float]:
+    if wall_s <= 0:
+        return {}
+    pct = {k: round(100.0 * (v - t0.get(k, 0.0)) / wall_s, 1) for k, v in t1.items()}
+    return dict(sorted(((k, v) for k, v in pct.items() if v >= 0.1), key=lambda kv: -kv[1]))
 
 
 def _agent_process(pid: int) -> Any:
@@ -742,11 +774,19 @@ class Bench:
 
     load: ModbusLoad
 
-    def __init__(self, ns: str, tmp: Path) -> None:
+    def __init__(
+        self, ns: str, tmp: Path, profile_dir: Path | None = None, trace: bool = False
+    ) -> None:
         from tests.support.netns import GROUP_PREFIX  # noqa: PLC0415
 
         self.ns = ns
         self.tmp = tmp
+        #: Where ``py-spy`` records the agent over its measured interval (None: no profile).
+        self.profile_dir = profile_dir
+        self.profile: dict[str, Any] | None = None
+        #: Run the agent with ``--trace`` and analyze it (:mod:`bench.e2e_trace`).
+        self.trace = trace
+        self.trace_figures: dict[str, Any] | None = None
         self.me = [sys.executable, "-m", "bench.e2e"]
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         self.env = {**os.environ, "PYTHONPATH": path}
@@ -817,15 +857,32 @@ class Bench:
         return SenderRun(proc, time.monotonic())
 
     def _measure(
-        self, tx: SenderRun, warmup_s: float, measure_s: float, ps: Any, alive: Callable[[], bool]
+        self,
+        tx: SenderRun,
+        warmup_s: float,
+        measure_s: float,
+        ps: Any,
+        alive: Callable[[], bool],
+        on_start: Callable[[], None] | None = None,
     ) -> Interval:
         _sleep_until(tx.started + warmup_s, alive)
-        c0, cpu0, s0 = self.load.count(), _cpu_s(ps), self.stalls.read()
+        if on_start is not None:
+            on_start()
+        c0, cpu0, s0, t0 = self.load.count(), _cpu_s(ps), self.stalls.read(), time.time_ns()
+        th0 = thread_cpu_s(ps.pid)
         _sleep_until(tx.started + warmup_s + measure_s, alive)
-        c1, cpu1, s1 = self.load.count(), _cpu_s(ps), self.stalls.read()
+        c1, cpu1, s1, t1 = self.load.count(), _cpu_s(ps), self.stalls.read(), time.time_ns()
+        th1 = thread_cpu_s(ps.pid)
         tx.finish(timeout_s=30)
         time.sleep(0.3)  # frames still in the sockets reach the receiver
-        return replace(Interval.between(c0, cpu0, c1, cpu1), host_stalls_per_s=s1.rate_since(s0))
+        interval = Interval.between(c0, cpu0, c1, cpu1)
+        return replace(
+            interval,
+            host_stalls_per_s=s1.rate_since(s0),
+            start_ns=t0,
+            end_ns=t1,
+            threads_pct=_threads_pct(th0, th1, interval.wall_s),
+        )
 
     def agent_phase(self, measure_s: float) -> AgentRun:
         """Spawn the agent, wait for READY, load it with CAN, measure, SIGTERM, read status."""
@@ -857,6 +914,9 @@ class Bench:
         out_path = self.tmp / "agent.stdout"
         argv = [str(Path(sys.executable).parent / "edge-agent"), "run", "--config", str(config)]
         argv += ["--duration", f"{duration:g}", "--status-json"]
+        trace_path = self.tmp / "trace.json"
+        if self.trace:
+            argv += ["--trace", str(trace_path)]
         with open(out_path, "w") as out:
             spawned = time.monotonic()
             agent = self.spawn_device(argv, "agent", env=env, stdin=subprocess.DEVNULL, stdout=out)
@@ -878,7 +938,16 @@ class Bench:
 
         # CAN only while the agent's buses are open: every frame sent is one it should count.
         tx = self.send_can(WARMUP_S + measure_s)
-        interval = self._measure(tx, WARMUP_S, measure_s, ps, alive)
+        profiles: list[Profile] = []
+
+        def start_profile() -> None:
+            if self.profile_dir is not None:
+                out = self.profile_dir / "agent.folded"
+                profiles.append(Profile(agent.pid, measure_s, out))
+
+        interval = self._measure(tx, WARMUP_S, measure_s, ps, alive, start_profile)
+        if profiles:
+            self.profile = profiles[0].wait()
         stopped = time.monotonic()
         first_request = self.load.count().get("first_mono")
         # Only the agent's sockets are bound to the bus ports now (the sender has exited).
@@ -896,6 +965,13 @@ class Bench:
         if status is None:
             raise RuntimeError("no status JSON on the agent's stdout")
         polled = stopped - float(first_request) if first_request is not None else None
+        if self.trace:
+            if not trace_path.exists():
+                raise RuntimeError("the agent wrote no --trace file")
+            doc = json.loads(trace_path.read_text())
+            self.trace_figures = analyze(doc, interval.start_ns, interval.end_ns)
+            if self.profile_dir is not None:
+                shutil.copy(trace_path, self.profile_dir / "trace.json")
         return AgentRun(status, ready_s, interval, tx, polled, kernel_drops)
 
     def bare_phase(self, measure_s: float) -> BareRun:
@@ -958,6 +1034,8 @@ def figures(agent: AgentRun, bare_run: BareRun, notes: list[str]) -> dict[str, A
         "cpu_vs_bare": round(iv.cpu_pct / bare_run.interval.cpu_pct, 2)
         if bare_run.interval.cpu_pct > 0
         else None,
+        "cpu_by_thread_pct": iv.threads_pct,
+        "bare_cpu_by_thread_pct": bare_run.interval.threads_pct,
         "host_stalls_per_s": round(iv.host_stalls_per_s, 2),
         "bare_host_stalls_per_s": round(bare_run.interval.host_stalls_per_s, 2),
         "bare_frames_per_s": round(bare_run.frames / bare_run.sender.elapsed_s, 1),
@@ -974,13 +1052,20 @@ def figures(agent: AgentRun, bare_run: BareRun, notes: list[str]) -> dict[str, A
     }
 
 
-def run_bench(ns: str, tmp: Path, quick: bool) -> dict[str, Any]:
+def run_bench(
+    ns: str, tmp: Path, quick: bool, profile_dir: Path | None = None, trace: bool = False
+) -> dict[str, Any]:
     """Both phases in namespace ``ns``; the figures (see the module docstring)."""
     measure_s = 15.0 if quick else 60.0
-    with Bench(ns, tmp) as bench:
+    with Bench(ns, tmp, profile_dir, trace) as bench:
         agent = bench.agent_phase(measure_s)
         bare_run = bench.bare_phase(measure_s / 2)
-    return figures(agent, bare_run, bench.notes)
+    fig = figures(agent, bare_run, bench.notes)
+    if bench.profile is not None:
+        fig["profile"] = bench.profile
+    if bench.trace_figures is not None:
+        fig["trace"] = bench.trace_figures
+    return fig
 
 
 def _fmt(value: Any, spec: str = ".0f") -> str:
@@ -1080,7 +1165,9 @@ def report(fig: Mapping[str, Any], say: Callable[..., None]) -> None:
         say(f"note: {note}")
 
 
-def orchestrate(quick: bool, as_json: bool) -> int:
+def orchestrate(
+    quick: bool, as_json: bool, profile_dir: Path | None = None, trace: bool = False
+) -> int:
     from tests.support.netns import netns, netns_problem  # noqa: PLC0415
 
     problem = netns_problem()
@@ -1098,7 +1185,7 @@ def orchestrate(quick: bool, as_json: bool) -> int:
             f"load average {load}"
         )
         try:
-            figures = run_bench(ns, Path(tmp), quick)
+            figures = run_bench(ns, Path(tmp), quick, profile_dir, trace)
         except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as exc:
             print(f"e2e: failed: {exc}", file=sys.stderr)
             return 1
@@ -1124,6 +1211,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--json", action="store_true", help="figures as one JSON object on the last line"
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="record the agent with py-spy over the measured interval into DIR/agent.folded "
+        "and add its summary (threads, functions by self and inclusive time) as 'profile'",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="run the agent with --trace: steady-state percentiles over the measured interval "
+        "and what the slowest 1 %% of windows waited for, as 'trace' (the file itself goes "
+        "to the --profile DIR when there is one)",
+    )
     parser.add_argument("--role", choices=("modbus", "sender", "bare"), help=argparse.SUPPRESS)
     parser.add_argument("--bus", action="append", type=_bus, default=[], help=argparse.SUPPRESS)
     parser.add_argument("--origin", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -1132,7 +1233,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modbus-port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role is None:
-        return orchestrate(args.quick, args.json)
+        if args.profile is not None:
+            args.profile.mkdir(parents=True, exist_ok=True)
+        return orchestrate(args.quick, args.json, args.profile, args.trace)
     if args.role == "modbus":
         asyncio.run(serve_modbus(args.start_at))
         return 0

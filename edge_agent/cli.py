@@ -41,6 +41,7 @@ from edge_agent.uplink.errors import UplinkError
 if TYPE_CHECKING:
     from drivers.sim.plant import Anomaly
     from edge_agent.dashboard import Dashboard
+    from edge_agent.looptrace import LoopTrace
     from edge_agent.rules import Decision
 
 T = TypeVar("T")
@@ -186,6 +187,17 @@ def run(
             "and a summary at the end (plain lines when stdout is not a terminal).",
         ),
     ] = False,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            "--trace",
+            metavar="FILE",
+            help="Diagnostics: record every window's path from its close to its decision, "
+            "the garbage collections and what the event loop ran when it came late to a "
+            "gate, and write them to FILE as JSON when the agent stops (bench.e2e --trace "
+            "reads it). Costs a thread that wakes at every gate opening.",
+        ),
+    ] = None,
     anomaly: Annotated[
         list[str] | None,
         typer.Option(
@@ -209,6 +221,9 @@ def run(
     if anomaly and not simulate:
         typer.echo("edge-agent run: --anomaly needs --simulate", err=True)
         raise typer.Exit(2)
+    if trace is not None and not trace.parent.is_dir():
+        typer.echo(f"edge-agent run: --trace {trace}: no folder {trace.parent}", err=True)
+        raise typer.Exit(2)
     try:
         anomalies = tuple(parse_anomaly(a) for a in anomaly or ())
     except DriverError as exc:
@@ -216,7 +231,7 @@ def run(
         raise typer.Exit(2) from None
     _setup_logging(cfg.agent.log_level)
     try:
-        status = run_loop(_run(cfg, duration, simulate, anomalies, dashboard))
+        status = run_loop(_run(cfg, duration, simulate, anomalies, dashboard, trace))
     except ReasoningError as exc:
         typer.echo(f"edge-agent: {exc}", err=True)
         # A model that does not fit the config is a config problem; one that does not load
@@ -244,6 +259,7 @@ async def _run(
     simulate: bool,
     anomalies: Sequence[Anomaly] = (),
     dashboard: bool = False,
+    trace: Path | None = None,
 ) -> dict[str, object]:
     from edge_agent.compose import build_agent  # noqa: PLC0415
     from edge_agent.service import run_until_signalled  # noqa: PLC0415
@@ -255,8 +271,17 @@ async def _run(
             dash.on_decision(d)
 
     agent = build_agent(cfg, on_decision=on_decision if dashboard else None)
+    if trace is not None:
+        from edge_agent.looptrace import LoopTrace  # noqa: PLC0415 - diagnostics only
+
+        lateness_ns = round(cfg.perception.lateness_ms * 1e6)
+        agent.trace = LoopTrace(agent.gcl, lateness_ns)
     _keep_startup_out_of_gc()
     async with contextlib.AsyncExitStack() as stack:
+        if trace is not None and agent.trace is not None:
+            stack.callback(_write_trace, agent.trace, trace)
+            agent.trace.start()  # here: on the loop's thread
+            stack.callback(agent.trace.stop)
         if simulate:
             from drivers.sim.server import PlantSimulator  # noqa: PLC0415
             from drivers.specs import CanSpec, ModbusSpec  # noqa: PLC0415
@@ -382,6 +407,14 @@ def main() -> None:
     global _OWN_PROCESS  # noqa: PLW0603 - one flag, set once before the command runs
     _OWN_PROCESS = True
     app()
+
+
+def _write_trace(trace: LoopTrace, path: Path) -> None:
+    """Write the trace; a failure is said in one line and does not change the exit code."""
+    try:
+        trace.dump(path)
+    except OSError as exc:
+        typer.echo(f"edge-agent: --trace {path}: cannot write: {exc.strerror or exc}", err=True)
 
 
 def _keep_startup_out_of_gc() -> None:

@@ -38,6 +38,7 @@ from edge_agent.errors import ModelMismatch, ReasoningError, SelfTestFailed, Ser
 from edge_agent.gates import GateScheduler
 from edge_agent.gcl import STAGES
 from edge_agent.health_report import log_contract, report_notices, state_health
+from edge_agent.looptrace import LoopTrace
 from edge_agent.metrics import AgentMetrics
 from edge_agent.parts import AgentParts
 from edge_agent.perception import Aligner, Window
@@ -127,6 +128,9 @@ class Agent(AgentReporting):
         self.metrics = AgentMetrics()
         self.metrics.register_status(self.status)
         self.gcl = config.gate_control_list
+        #: Reasoning may pull more windows through memory in its gate: only when every
+        #: entry that opens reasoning's gate opens memory's too (the default schedule).
+        self._catch_up = all("memory" in e.gates for e in self.gcl.gates_of("reasoning"))
         self.scheduler = GateScheduler(
             self.gcl,
             {
@@ -135,7 +139,7 @@ class Agent(AgentReporting):
                 "reasoning": self._gate_reasoning,
             },
             clock_ns=clock_ns,
-            on_gate=self.metrics.observe_gate,
+            on_gate=self._on_gate,
         )
         #: Gate runs each stage completed: what the systemd watchdog checks.
         self.progress: dict[str, int] = dict.fromkeys(STAGES, 0)
@@ -154,6 +158,8 @@ class Agent(AgentReporting):
         self._mode = "full"
         self._budget_ms = config.reasoning.budget_ms
         self._api: HealthApi | None = None
+        #: ``edge-agent run --trace``: every window's path to its decision (None: off).
+        self.trace: LoopTrace | None = None
         self.last_swap_ns = 0
         #: Set when OTA needs this process replaced (a new agent build, or its rollback):
         #: the agent stops and the CLI exits with EXIT_RESTART for systemd to restart it.
@@ -366,6 +372,11 @@ class Agent(AgentReporting):
         if stage not in self._failing:
             self.progress[stage] += 1
 
+    def _on_gate(self, entry: str, lateness_s: float) -> None:
+        self.metrics.observe_gate(entry, lateness_s)
+        if self.trace is not None:
+            self.trace.gate(entry, lateness_s)
+
     def _gate_perception(self, close_ns: int) -> None:
         self._guarded("perception", self._perceive)
 
@@ -374,6 +385,22 @@ class Agent(AgentReporting):
 
     def _gate_reasoning(self, close_ns: int) -> None:
         self._guarded("reasoning", lambda: self._reason(close_ns))
+        # After a stall perception hands on several windows at once, and memory passes on
+        # only what reasoning's short queue holds: alone, the backlog would drain one
+        # window per cycle and one 30 ms stall would make the next ~30 windows late. While
+        # the gate is open, both stages go on until memory has nothing left.
+        rounds = 0
+        while (
+            self._catch_up
+            and len(self.memory_queue)
+            and self.clock_ns() < close_ns
+            and rounds <= MEMORY_QUEUE_DEPTH
+        ):
+            rounds += 1
+            self._guarded("memory", lambda: self._remember(close_ns))
+            self._guarded("reasoning", lambda: self._reason(close_ns))
+        if self.trace is not None:
+            self.trace.gate_done()
 
     def _perceive(self) -> int:
         t0 = time.perf_counter_ns()
@@ -401,6 +428,8 @@ class Agent(AgentReporting):
             if self.telemetry is not None:
                 for agg in self.telemetry.add(w):
                     self._publish_telemetry(agg)
+            if self.trace is not None:
+                self.trace.emitted(w.seq)
             dropped = self.memory_queue.put_nowait(_InFlight(w, perception_ms))
             if dropped is not None:
                 log.warning("pipeline behind: dropped window %d before memory", dropped.window.seq)
@@ -470,6 +499,8 @@ class Agent(AgentReporting):
         # the lateness allowance) to its decision.
         e2e_ns = d.t_ns - (window.end_ns + self._lateness_ns)
         self.e2e_us.append(e2e_ns / 1000.0)
+        if self.trace is not None:
+            self.trace.decided(window.seq, window.end_ns, d.t_ns)
         self.metrics.observe_decision(d.stage_latency_ms, e2e_ns / 1e9, d.label)
         mode = stage.breaker.mode  # the mode for the next window
         if mode != self._mode:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Final
 
 from drivers.errors import DriverError
+from drivers.osthread import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ async def run_in_thread(
 
     def main() -> None:
         error: BaseException | None = None
+        name_os_thread(name)
         try:
             body(stop)
         # Everything, so the loop thread (which re-raises it) learns why the thread ended.

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from drivers.osthread import name_os_thread
 from edge_agent.memory._fs import sidecars
 from edge_agent.memory.aging import Aging, AgingPolicy
 from edge_agent.memory.baselines import Baseline
@@ -713,6 +714,7 @@ class StoreWriter:
 
     def _main(self) -> None:
         self.native_id = threading.get_native_id()
+        name_os_thread(self._thread.name)
         # Persistence is background work: when the CPU is contended, the event loop's thread
         # (perception, reasoning) should run first. Lowering our own priority is always
         # allowed; Linux applies it to this thread only.
