@@ -13,3 +13,9 @@ class Sample(NamedTuple):
     signal: str
     value: float
     t_ns: int
+
+
+#: ``Sample(...)`` runs NamedTuple's Python-level ``__new__``; ``new_sample(Sample, (signal,
+#: value, t_ns))`` builds the same object in half the time, for the paths that make one per
+#: CAN frame signal or Modbus register.
+new_sample = tuple.__new__

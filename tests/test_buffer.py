@@ -26,6 +26,23 @@ def test_drops_oldest_and_counts() -> None:
     assert buf.high_water == 3
 
 
+@pytest.mark.parametrize(("held", "batch"), [(0, 5), (2, 2), (2, 4), (3, 1), (1, 7), (3, 0)])
+def test_a_batch_drops_exactly_what_one_by_one_would(held: int, batch: int) -> None:
+    buf, ref = SampleBuffer(3), SampleBuffer(3)
+    for b in (buf, ref):
+        b.put_many([s(i) for i in range(held)])
+    new = [s(100 + i) for i in range(batch)]
+    buf.put_many(new)
+    for x in new:
+        ref.put(x)
+    assert (buf.dropped, buf.accepted, buf.high_water) == (
+        ref.dropped,
+        ref.accepted,
+        ref.high_water,
+    )
+    assert buf.drain() == ref.drain()
+
+
 def test_partial_drain_keeps_order() -> None:
     buf = SampleBuffer(10)
     buf.put_many(s(i) for i in range(6))

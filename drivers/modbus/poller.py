@@ -26,7 +26,7 @@ from drivers.errors import (
 from drivers.modbus.client import ModbusClient
 from drivers.modbus.codec import decoder
 from drivers.modbus.plan import ReadBlock, plan_blocks, split_block
-from drivers.sample import Sample
+from drivers.sample import Sample, new_sample
 from drivers.specs import ModbusSpec
 
 log = logging.getLogger(__name__)
@@ -269,7 +269,10 @@ class ModbusSource:
         self, st: _BlockState, values: list[int] | list[bool], t_ns: int, sink: SampleBuffer
     ) -> None:
         if not st.filtered:
-            out = [Sample(name, decode(values, off), t_ns) for off, decode, name, _ in st.items]
+            out = [
+                new_sample(Sample, (name, decode(values, off), t_ns))
+                for off, decode, name, _ in st.items
+            ]
         else:
             out = []
             last, last_t = st.last, st.last_t
@@ -288,7 +291,7 @@ class ModbusSource:
                         continue
                     last[i] = value
                     last_t[i] = mono
-                out.append(Sample(name, value, t_ns))
+                out.append(new_sample(Sample, (name, value, t_ns)))
             if not out:
                 return
         self.samples += len(out)
