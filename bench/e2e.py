@@ -194,6 +194,18 @@ class BareRun:
     frames: int
 
 
+@dataclass(frozen=True)
+class Options:
+    """What a run adds to the plain measurement."""
+
+    #: Where ``py-spy`` records the agent over its measured interval (None: no profile).
+    profile_dir: Path | None = None
+    #: Run the agent with ``--trace`` and analyze it (:mod:`bench.e2e_trace`).
+    trace: bool = False
+    #: TOML appended to the agent's config (``--config-extra``).
+    config_extra: str = ""
+
+
 class Bench:
     """The Modbus load in namespace ``ns``, and the two phases measured against it.
 
@@ -203,19 +215,17 @@ class Bench:
 
     load: ModbusLoad
 
-    def __init__(
-        self, ns: str, tmp: Path, profile_dir: Path | None = None, trace: bool = False
-    ) -> None:
+    def __init__(self, ns: str, tmp: Path, options: "Options | None" = None) -> None:
         from tests.support.netns import GROUP_PREFIX  # noqa: PLC0415
 
         self.ns = ns
         self.tmp = tmp
-        #: Where ``py-spy`` records the agent over its measured interval (None: no profile).
-        self.profile_dir = profile_dir
+        opts = options if options is not None else Options()
+        self.profile_dir = opts.profile_dir
         self.profile: dict[str, Any] | None = None
-        #: Run the agent with ``--trace`` and analyze it (:mod:`bench.e2e_trace`).
-        self.trace = trace
+        self.trace = opts.trace
         self.trace_figures: dict[str, Any] | None = None
+        self.config_extra = opts.config_extra
         self.me = [sys.executable, "-m", "bench.e2e"]
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         self.env = {**os.environ, "PYTHONPATH": path}
@@ -332,7 +342,10 @@ class Bench:
                     "aux_dbc": str(EXTRA_DBC),
                 },
             )
+            + (f"\n# --config-extra\n{self.config_extra}\n" if self.config_extra else "")
         )
+        if self.config_extra:
+            self.notes.append(f"agent config with --config-extra: {self.config_extra!r}")
         listener = NotifyListener(self.tmp / "notify.sock")
         self._stack.callback(listener.close)
         env = {**os.environ, "NOTIFY_SOCKET": str(listener.path)}
@@ -481,13 +494,11 @@ def figures(agent: AgentRun, bare_run: BareRun, notes: list[str]) -> dict[str, A
     }
 
 
-def run_bench(
-    ns: str, tmp: Path, quick: bool, profile_dir: Path | None = None, trace: bool = False
-) -> dict[str, Any]:
+def run_bench(ns: str, tmp: Path, quick: bool, options: Options | None = None) -> dict[str, Any]:
     """Both phases in namespace ``ns``; the figures (see the module docstring)."""
     measure_s = 15.0 if quick else 60.0
     load1 = os.getloadavg()[0]
-    with Bench(ns, tmp, profile_dir, trace) as bench:
+    with Bench(ns, tmp, options) as bench:
         agent = bench.agent_phase(measure_s)
         bare_run = bench.bare_phase(measure_s / 2)
     fig = figures(agent, bare_run, bench.notes)
@@ -506,9 +517,7 @@ def run_bench(
     return fig
 
 
-def orchestrate(
-    quick: bool, as_json: bool, profile_dir: Path | None = None, trace: bool = False
-) -> int:
+def orchestrate(quick: bool, as_json: bool, options: Options | None = None) -> int:
     from tests.support.netns import netns, netns_problem  # noqa: PLC0415
 
     problem = netns_problem()
@@ -526,7 +535,7 @@ def orchestrate(
             f"load average {load}"
         )
         try:
-            figures = run_bench(ns, Path(tmp), quick, profile_dir, trace)
+            figures = run_bench(ns, Path(tmp), quick, options)
         except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as exc:
             print(f"e2e: failed: {exc}", file=sys.stderr)
             return 1
@@ -566,6 +575,14 @@ def main(argv: list[str] | None = None) -> int:
         "and what the slowest 1 %% of windows waited for, as 'trace' (the file itself goes "
         "to the --profile DIR when there is one)",
     )
+    parser.add_argument(
+        "--config-extra",
+        action="append",
+        default=[],
+        metavar="TOML",
+        help="append TOML to the agent's config, e.g. '[schedule]\\nspin_us = 50' "
+        "(repeatable): to measure what a setting changes; the run says so in its notes",
+    )
     parser.add_argument("--role", choices=("modbus", "sender", "bare"), help=argparse.SUPPRESS)
     parser.add_argument("--bus", action="append", type=_bus, default=[], help=argparse.SUPPRESS)
     parser.add_argument("--origin", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -576,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.role is None:
         if args.profile is not None:
             args.profile.mkdir(parents=True, exist_ok=True)
-        return orchestrate(args.quick, args.json, args.profile, args.trace)
+        options = Options(args.profile, args.trace, "\n".join(args.config_extra))
+        return orchestrate(args.quick, args.json, options)
     if args.role == "modbus":
         asyncio.run(serve_modbus(args.start_at))
         return 0
