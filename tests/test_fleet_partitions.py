@@ -164,3 +164,38 @@ def test_retention_drops_whole_days_and_deletes_only_what_lies_outside_them(url:
         assert store.expire("telemetry", cut, 2) == 1
     finally:
         store.close()
+
+
+def test_the_gap_query_reads_a_devices_keys_from_the_index_alone(url: str) -> None:
+    """Schema v14: message_keys' primary key carries t_ns, so once the rows are all-visible
+    the per-device gap query is an index-only scan with no heap fetch (keys arrive
+    interleaved across devices, so the heap would be one page per key)."""
+    from fleet.store import _common  # noqa: PLC0415
+
+    store = PostgresStore(url)
+    try:
+        store.migrate()
+        rows = [_row("telemetry", s, D0 + s * HOUR, device=d) for s in range(40) for d in "abc"]
+        store.ingest(rows)
+    finally:
+        store.close()
+    keys = _sql(
+        url,
+        "SELECT array_to_string(array_agg(a.attname ORDER BY k.n), ',') , i.indnkeyatts "
+        "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid, "
+        "unnest(i.indkey) WITH ORDINALITY AS k(attnum, n) "
+        "JOIN pg_attribute a ON a.attnum = k.attnum "
+        "WHERE c.relname = 'message_keys_pkey' AND a.attrelid = i.indrelid "
+        "GROUP BY i.indnkeyatts",
+    )
+    assert keys == [("device,boot_id,seq,t_ns", 3)]  # t_ns included, not part of the key
+    _sql(url, "VACUUM ANALYZE message_keys")
+    sql = _common.gaps_sql(True, "message_keys").replace("?", "%s")
+    with psycopg.connect(url, autocommit=True) as db:
+        db.execute("SET enable_seqscan = off")  # a 120-row table: as it would plan a big one
+        db.execute("SET enable_bitmapscan = off")
+        plan = "\n".join(
+            r[0] for r in db.execute("EXPLAIN (ANALYZE) " + sql, ["b"] * sql.count("%s"))
+        )
+    assert "Index Only Scan using message_keys_pkey on message_keys" in plan, plan
+    assert "Heap Fetches: 0" in plan, plan

@@ -458,6 +458,17 @@ SELECT device, boot_id, seq, kind, t_ns FROM messages_v12;
 DROP TABLE messages_v12
 """
 
+# v14 (PostgreSQL): message_keys' primary key carries t_ns, so the gap queries (a device's
+# keys in seq order, each with its time) read the index alone once the rows are all-visible.
+# Keys arrive interleaved across the fleet: a day of one device's keys sits on about as many
+# heap pages as it has keys, and next to each other in the index.
+_V14_POSTGRES = """
+CREATE UNIQUE INDEX message_keys_covering ON message_keys (device, boot_id, seq) INCLUDE (t_ns);
+ALTER TABLE message_keys DROP CONSTRAINT message_keys_pkey;
+ALTER TABLE message_keys
+    ADD CONSTRAINT message_keys_pkey PRIMARY KEY USING INDEX message_keys_covering
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "registry, boots, messages, quarantine", _V1_SQLITE, _V1_POSTGRES),
     Migration(2, "rollouts, rollout requests, device labels", _V2_SQLITE, _V2_POSTGRES),
@@ -471,6 +482,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(11, "published bundles, for every node to serve", _V11_SQLITE, _V11_POSTGRES),
     Migration(12, "retention: how far back history was cut", _V12, _V12),
     Migration(13, "messages partitioned by kind and day (PostgreSQL)", "", _V13_POSTGRES),
+    Migration(14, "message keys with their time in the index (PostgreSQL)", "", _V14_POSTGRES),
 )
 
 #: The schema version this code writes and reads.
