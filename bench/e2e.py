@@ -220,12 +220,9 @@ class Bench:
 
         self.ns = ns
         self.tmp = tmp
-        opts = options if options is not None else Options()
-        self.profile_dir = opts.profile_dir
+        self.options = options if options is not None else Options()
         self.profile: dict[str, Any] | None = None
-        self.trace = opts.trace
         self.trace_figures: dict[str, Any] | None = None
-        self.config_extra = opts.config_extra
         self.me = [sys.executable, "-m", "bench.e2e"]
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         self.env = {**os.environ, "PYTHONPATH": path}
@@ -328,24 +325,24 @@ class Bench:
         state_dir = self.tmp / "state"
         state_dir.mkdir()
         config = self.tmp / "agent.toml"
-        config.write_text(
-            render_config(
-                TEMPLATE.read_text(),
-                {
-                    "state_dir": str(state_dir),
-                    "modbus_port": self.load.port,
-                    "drive_group": self.buses["drive"][0],
-                    "drive_port": self.buses["drive"][1],
-                    "drive_dbc": str(DRIVE_DBC),
-                    "aux_group": self.buses["aux"][0],
-                    "aux_port": self.buses["aux"][1],
-                    "aux_dbc": str(EXTRA_DBC),
-                },
-            )
-            + (f"\n# --config-extra\n{self.config_extra}\n" if self.config_extra else "")
+        text = render_config(
+            TEMPLATE.read_text(),
+            {
+                "state_dir": str(state_dir),
+                "modbus_port": self.load.port,
+                "drive_group": self.buses["drive"][0],
+                "drive_port": self.buses["drive"][1],
+                "drive_dbc": str(DRIVE_DBC),
+                "aux_group": self.buses["aux"][0],
+                "aux_port": self.buses["aux"][1],
+                "aux_dbc": str(EXTRA_DBC),
+            },
         )
-        if self.config_extra:
-            self.notes.append(f"agent config with --config-extra: {self.config_extra!r}")
+        extra = self.options.config_extra
+        if extra:
+            text += f"\n# --config-extra\n{extra}\n"
+            self.notes.append(f"agent config with --config-extra: {extra!r}")
+        config.write_text(text)
         listener = NotifyListener(self.tmp / "notify.sock")
         self._stack.callback(listener.close)
         env = {**os.environ, "NOTIFY_SOCKET": str(listener.path)}
@@ -357,7 +354,7 @@ class Bench:
         argv = [str(Path(sys.executable).parent / "edge-agent"), "run", "--config", str(config)]
         argv += ["--duration", f"{duration:g}", "--status-json"]
         trace_path = self.tmp / "trace.json"
-        if self.trace:
+        if self.options.trace:
             argv += ["--trace", str(trace_path)]
         with open(out_path, "w") as out:
             spawned = time.monotonic()
@@ -383,8 +380,8 @@ class Bench:
         profiles: list[Profile] = []
 
         def start_profile() -> None:
-            if self.profile_dir is not None:
-                out = self.profile_dir / "agent.folded"
+            if self.options.profile_dir is not None:
+                out = self.options.profile_dir / "agent.folded"
                 profiles.append(Profile(agent.pid, measure_s, out))
 
         interval = self._measure(tx, WARMUP_S, measure_s, ps, alive, start_profile)
@@ -407,13 +404,13 @@ class Bench:
         if status is None:
             raise RuntimeError("no status JSON on the agent's stdout")
         polled = stopped - float(first_request) if first_request is not None else None
-        if self.trace:
+        if self.options.trace:
             if not trace_path.exists():
                 raise RuntimeError("the agent wrote no --trace file")
             doc = json.loads(trace_path.read_text())
             self.trace_figures = analyze(doc, interval.start_ns, interval.end_ns)
-            if self.profile_dir is not None:
-                shutil.copy(trace_path, self.profile_dir / "trace.json")
+            if self.options.profile_dir is not None:
+                shutil.copy(trace_path, self.options.profile_dir / "trace.json")
         return AgentRun(status, ready_s, interval, tx, polled, kernel_drops)
 
     def bare_phase(self, measure_s: float) -> BareRun:

@@ -271,17 +271,15 @@ async def _run(
             dash.on_decision(d)
 
     agent = build_agent(cfg, on_decision=on_decision if dashboard else None)
-    if trace is not None:
-        from edge_agent.looptrace import LoopTrace  # noqa: PLC0415 - diagnostics only
-
-        lateness_ns = round(cfg.perception.lateness_ms * 1e6)
-        agent.trace = LoopTrace(agent.gcl, lateness_ns)
     _keep_startup_out_of_gc()
     async with contextlib.AsyncExitStack() as stack:
-        if trace is not None and agent.trace is not None:
-            stack.callback(_write_trace, agent.trace, trace)
-            agent.trace.start()  # here: on the loop's thread
-            stack.callback(agent.trace.stop)
+        if trace is not None:
+            from edge_agent.looptrace import LoopTrace  # noqa: PLC0415 - diagnostics only
+
+            tracer = agent.trace = LoopTrace(agent.gcl)
+            stack.callback(_write_trace, tracer, trace)
+            tracer.start()  # here: on the loop's thread
+            stack.callback(tracer.stop)
         if simulate:
             from drivers.sim.server import PlantSimulator  # noqa: PLC0415
             from drivers.specs import CanSpec, ModbusSpec  # noqa: PLC0415

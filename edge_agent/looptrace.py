@@ -79,9 +79,8 @@ class LoopTrace:
     briefly while it is not).
     """
 
-    def __init__(self, gcl: GateControlList, lateness_ns: int) -> None:
+    def __init__(self, gcl: GateControlList) -> None:
         self._gcl = gcl
-        self._lateness_ns = lateness_ns
         self.windows: deque[tuple[int, ...]] = deque(maxlen=WINDOWS_KEPT)
         self.stalls: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.collections: deque[tuple[int, int, int]] = deque(maxlen=EVENTS_KEPT)
@@ -97,7 +96,7 @@ class LoopTrace:
 
     # -- on the loop's thread ------------------------------------------------------------
 
-    def gate(self, entry: str, lateness_s: float) -> None:
+    def gate(self, lateness_s: float) -> None:
         """A gate opened ``lateness_s`` after its planned time."""
         now = time.time_ns()
         self._gate_ns = now
@@ -114,11 +113,11 @@ class LoopTrace:
         if len(self._pending) > 1_000:  # windows dropped before a decision
             self._pending.pop(next(iter(self._pending)))
 
-    def decided(self, seq: int, end_ns: int, decision_ns: int) -> None:
-        """Window ``seq`` (last grid point ``end_ns``) got its decision at ``decision_ns``."""
+    def decided(self, seq: int, due: int, decision_ns: int) -> None:
+        """Window ``seq``, due at ``due`` (its last grid point plus the lateness allowance),
+        got its decision at ``decision_ns``."""
         opening, gate, emitted = self._pending.pop(seq, (0, 0, 0))
         cpu = time.thread_time_ns() - self._gate_cpu_ns
-        due = end_ns + self._lateness_ns
         first = self._first_opening(due)
         row = (seq, due, first, opening, gate, emitted, self._gate_ns, decision_ns, cpu)
         self.windows.append(row)

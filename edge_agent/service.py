@@ -375,7 +375,7 @@ class Agent(AgentReporting):
     def _on_gate(self, entry: str, lateness_s: float) -> None:
         self.metrics.observe_gate(entry, lateness_s)
         if self.trace is not None:
-            self.trace.gate(entry, lateness_s)
+            self.trace.gate(lateness_s)
 
     def _gate_perception(self, close_ns: int) -> None:
         self._guarded("perception", self._perceive)
@@ -387,8 +387,8 @@ class Agent(AgentReporting):
         self._guarded("reasoning", lambda: self._reason(close_ns))
         # After a stall perception hands on several windows at once, and memory passes on
         # only what reasoning's short queue holds: alone, the backlog would drain one
-        # window per cycle and one 30 ms stall would make the next ~30 windows late. While
-        # the gate is open, both stages go on until memory has nothing left.
+        # window per cycle, keeping the windows behind it late for as many cycles as the
+        # stall lasted. While the gate is open, both stages go on until memory is empty.
         rounds = 0
         while (
             self._catch_up
@@ -497,10 +497,11 @@ class Agent(AgentReporting):
             self.ota.on_decision(d)
         # End to end: from the instant the window could close (its last grid point plus
         # the lateness allowance) to its decision.
-        e2e_ns = d.t_ns - (window.end_ns + self._lateness_ns)
+        due_ns = window.end_ns + self._lateness_ns
+        e2e_ns = d.t_ns - due_ns
         self.e2e_us.append(e2e_ns / 1000.0)
         if self.trace is not None:
-            self.trace.decided(window.seq, window.end_ns, d.t_ns)
+            self.trace.decided(window.seq, due_ns, d.t_ns)
         self.metrics.observe_decision(d.stage_latency_ms, e2e_ns / 1e9, d.label)
         mode = stage.breaker.mode  # the mode for the next window
         if mode != self._mode:
