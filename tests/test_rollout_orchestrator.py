@@ -19,8 +19,10 @@ import pytest
 from fleet.errors import FleetStoreError
 from fleet.rollout import machine as m
 from fleet.rollout import orchestrator as orch_module
+from fleet.rollout.held import RESEND_GRACE_S
 from fleet.rollout.orchestrator import Orchestrator, load, request
 from fleet.store import Row, Store
+from tests.support.fleet import state
 from tests.support.memstore import MemoryStore
 from tests.support.stores import Backend
 from wire import OtaStatusMsg, decode_command
@@ -426,10 +428,24 @@ def test_an_abort_of_a_rollout_halted_long_ago_is_still_applied(tmp_path: Path) 
     assert broker.take() == [("d1", "rollback")]
 
 
-def test_offers_saved_but_never_sent_are_sent_by_the_next_leader_and_only_once() -> None:
-    store = memory_store(["d0", "d1", "d2"])
+def online(store: Store, *devices: str, up: bool = True) -> None:
+    """The registry sees ``devices`` come online (or go offline)."""
+    for d in devices:
+        store.record_state(d, SITE, state(d, BOOT_A, 0, online=up, site=SITE), T0)
+
+
+GRACE = RESEND_GRACE_S
+
+
+def test_offers_saved_but_never_sent_go_again_once_online_devices_stay_silent() -> None:
+    """A leader killed between saving offers and sending them: the next one cannot tell
+    them from offers sent, so it holds them; a device online and silent for the grace did
+    not get it and is offered again, once; an offline one only after it has been online
+    for the grace (its session would have delivered a sent offer)."""
+    store = memory_store(["d0", "d1", "d2", "d3"])
     clock = Clock()
-    add_rollout(store, "r1", [["d0", "d1"], ["d2"]], m.Params(min_devices=1), T0)
+    add_rollout(store, "r1", [["d0", "d1", "d2"], ["d3"]], m.Params(min_devices=1), T0)
+    online(store, "d0", "d1")
 
     def killed(topic_name: str, payload: bytes) -> bool:
         raise SystemExit("the leader died between the save and the send")
@@ -437,24 +453,80 @@ def test_offers_saved_but_never_sent_are_sent_by_the_next_leader_and_only_once()
     with pytest.raises(SystemExit):
         orchestrator(store, clock, killed).step()
     r = stored(store, "r1")
-    assert [(d.state, d.attempts, d.sent_ns) for d in r.devices.values()][:2] == [
+    assert [(d.state, d.attempts, d.sent_ns) for d in r.devices.values()][:3] == [
+        ("offered", 1, 0),
         ("offered", 1, 0),
         ("offered", 1, 0),
     ]
-    # The next leader sends what was saved and never sent, once, and records it.
     broker = Broker()
     nxt = orchestrator(store, clock, broker)
     clock.at(1)
+    nxt.step()
+    clock.at(1 + GRACE - 0.5)
+    nxt.step()
+    assert broker.take() == [], "held for the grace: the devices may have it"
+    clock.at(1 + GRACE)
     nxt.step()
     assert sorted(broker.take()) == [("d0", "install"), ("d1", "install")]
     r = stored(store, "r1")
     assert all(r.devices[d].sent_ns == r.devices[d].offered_ns > 0 for d in ("d0", "d1"))
     assert r.devices["d0"].attempts == 1, "the same offer, not another attempt"
-    clock.at(2)
+    assert r.devices["d2"].sent_ns == 0
+    # d2 comes online late: its grace starts then, not at the takeover.
+    clock.at(2 + GRACE)
+    online(store, "d2")
+    nxt.step()
+    clock.at(2 + 2 * GRACE - 0.5)
+    nxt.step()
+    assert broker.take() == []
+    clock.at(2 + 2 * GRACE)
+    nxt.step()
+    assert broker.take() == [("d2", "install")]
+    clock.at(3 + 2 * GRACE)
     nxt.step()
     assert broker.take() == []
     # A leader after one that sent (and recorded it) sends nothing again.
     third = orchestrator(store, clock, broker)
-    clock.at(3)
-    third.step()
+    for t in (4, 5 + GRACE):
+        clock.at(t + 2 * GRACE)
+        third.step()
     assert broker.take() == []
+
+
+def test_offers_sent_but_not_recorded_are_not_sent_again_when_the_devices_answer() -> None:
+    """The window the bench hit (double_offers 6): the leader handed the offers to the
+    broker and died before recording them. The devices got them and answer; the next
+    leader sees the answers within the grace and sends nothing twice."""
+    store = memory_store(["d0", "d1", "d2"])
+    clock = Clock()
+    add_rollout(store, "r1", [["d0", "d1"], ["d2"]], m.Params(min_devices=1), T0)
+    online(store, "d0", "d1", "d2")
+    first = Broker()
+
+    def send_then_die(topic_name: str, payload: bytes) -> bool:
+        first(topic_name, payload)
+        store.fail = True  # the record of the send after it never makes it to the store
+        return True
+
+    with pytest.raises(FleetStoreError):
+        orchestrator(store, clock, send_then_die).step()
+    store.fail = False
+    assert sorted(first.take()) == [("d0", "install"), ("d1", "install")]
+    assert all(d.sent_ns == 0 for d in stored(store, "r1").devices.values())
+    broker = Broker()
+    nxt = orchestrator(store, clock, broker)
+    clock.at(1)
+    nxt.step()
+    # The agents' first reports come in over the next seconds; d1 goes offline meanwhile
+    # (its report still stored), and d0 is slow but inside the grace.
+    store.ingest([status("d1", BOOT_A, 1, "fetching", T0 + 2 * S)])
+    online(store, "d1", up=False)
+    clock.at(2)
+    nxt.step()
+    store.ingest([status("d0", BOOT_A, 1, "fetching", T0 + int((GRACE - 1) * S))])
+    for t in (GRACE - 0.5, GRACE + 1, 3 * GRACE):
+        clock.at(t)
+        nxt.step()
+    assert broker.take() == []
+    r = stored(store, "r1")
+    assert [r.devices[d].state for d in ("d0", "d1")] == ["in_progress", "in_progress"]

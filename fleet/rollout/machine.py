@@ -69,8 +69,8 @@ class DeviceRun:
     #: against ``boot_id`` (0: nothing applied yet, or a document from before this field).
     t_ns: int = 0
     #: ``offered_ns`` of the offer the orchestrator handed to the broker (its record, saved
-    #: after the send): an offer saved but never marked sent is sent again by the next
-    #: leader. 0: not known to be sent.
+    #: after the send): an offer saved but never marked sent is held by the next leader and
+    #: sent again if the device stays silent (fleet.rollout.held). 0: not known to be sent.
     sent_ns: int = 0
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from fleet.errors import FleetError, RolloutError
 from fleet.rollout import machine as m
+from fleet.rollout.held import RESEND_GRACE_S, HeldOffers
 from fleet.rollout.plan import (
     Candidate,
     plan,
@@ -42,6 +43,8 @@ LINGER_S = 600.0
 CURSOR_OVERLAP_S = 30.0
 #: Status reports read per store query; a step reads pages until one is shorter.
 STATUS_PAGE = 10_000
+#: Up to this many held devices are looked up one by one; more, with one registry read.
+HELD_LOOKUPS = 100
 
 
 @dataclass
@@ -274,7 +277,9 @@ class Orchestrator:
     the machine ignores what it has applied already (``(boot_id, seq)`` order), so the
     rollout continues where it was. One orchestrator runs per store: on several ``fleet
     serve`` nodes the one that holds the lead (:mod:`fleet.leader`), whose saves carry its
-    epoch, so a node that lost the lead saves and sends nothing more.
+    epoch, so a node that lost the lead saves and sends nothing more. An offer the lead
+    before saved but did not record as sent is held (:mod:`fleet.rollout.held`): sent again
+    only if its device, online, does not answer it within the grace.
     """
 
     def __init__(
@@ -284,6 +289,7 @@ class Orchestrator:
         publish: Publish,
         url_for: Urls,
         clock: Callable[[], int] = time.time_ns,
+        resend_grace_s: float = RESEND_GRACE_S,
     ) -> None:
         self.store = store
         self.publish = publish
@@ -297,8 +303,9 @@ class Orchestrator:
         self._bad_docs: set[str] = set()
         #: The lead's fencing token this orchestrator saves under (None: no lead to check).
         self.epoch: int | None = None
-        #: The epoch whose first step sent again what the lead before left unsent.
+        #: The epoch whose first step held what the lead before may have left unsent.
         self._resumed: int | None = -1
+        self._held = HeldOffers(resend_grace_s)
 
     def _site(self, device: str) -> str | None:
         if device not in self._sites:
@@ -330,8 +337,15 @@ class Orchestrator:
                 cursor = min(r.created_ns for r, _ in work.rollouts.values()) - 1
             cursor = self._apply_statuses(work, cursor, now)
         if self._resumed != self.epoch:
-            # Before the ticks: only offers of an earlier step, not those this one makes.
-            self._resume(work)
+            # Before the ticks: only offers of an earlier lead, not those this step makes.
+            held = self._held.hold({rid: r for rid, (r, _) in work.rollouts.items()})
+            if held:
+                log.warning(
+                    "rollouts: %d offers saved but not known to be sent: held until their "
+                    "devices answer or stay silent online for %.0f s",
+                    held, self._held.grace_ns / 1e9,
+                )  # fmt: skip
+        self._resend_held(work, now)
         for rid in list(work.rollouts):
             work.tick(rid, now)
         saved: set[str] = set()
@@ -356,24 +370,30 @@ class Orchestrator:
         doc = json.dumps({**r.to_json(), "transport": transport})
         self.store.save_rollout(r.id, r.state, doc, now, epoch=self.epoch)
 
-    def _resume(self, work: _Step) -> None:
-        """The first step under a lead (a new leader, or this process started): offer again
-        to every device whose offer was saved but never recorded as sent (the leader before
-        died between the two). After the save under this epoch, like any command: a device
-        that got the offer after all ignores it while it runs, or answers that it has that
-        version already."""
-        for rid, (r, transport) in work.rollouts.items():
-            if r.state != "running":
-                continue
-            unsent = [
-                d.device
-                for d in r.devices.values()
-                if d.state == "offered" and d.attempts and d.sent_ns < d.offered_ns
-            ]
-            if unsent:
-                log.warning("rollout %s: %d offers not known to be sent: sending", rid, len(unsent))
-                work.commands += [(r, transport, m.Command("offer", name)) for name in unsent]
-                work.changed.add(rid)
+    def _resend_held(self, work: _Step, now: int) -> None:
+        """Send again each held offer whose device has been online for the grace without
+        answering (:mod:`fleet.rollout.held`). After the save under this epoch, like any
+        command: a device that got the offer after all ignores it while it runs, or answers
+        that it has that version already."""
+        names = self._held.devices()
+        if not names:
+            return
+        if len(names) <= HELD_LOOKUPS:
+            infos = [self.store.device(name) for name in names]
+        else:
+            infos = [d for d in self.store.devices() if d.device in names]
+        online = {d.device: d.online for d in infos if d is not None}
+        rollouts = {rid: r for rid, (r, _) in work.rollouts.items()}
+        due = self._held.due(rollouts, online, now)
+        if due:
+            log.warning(
+                "rollouts: %d offers not known to be sent got no answer in %.0f s online: "
+                "sending again", len(due), self._held.grace_ns / 1e9,
+            )  # fmt: skip
+        for rid, name in due:
+            r, transport = work.rollouts[rid]
+            work.commands.append((r, transport, m.Command("offer", name)))
+            work.changed.add(rid)
 
     def _mark_sent(self, work: _Step, sent: list[tuple[str, str]], now: int) -> None:
         """Record the offers handed to the broker (``sent_ns``), so that a next leader does
@@ -524,7 +544,7 @@ class Orchestrator:
         if self.publish(topic(site, c.device, "cmd/ota"), payload):
             self.sent[c.action] += 1
             return c.action == "offer"
-        # Not connected: sent again at the next step (or, after a restart, by _resume).
+        # Not connected: sent again at the next step (or, after a restart, once held).
         self._unsent.append((r.id, c, topic(site, c.device, "cmd/ota"), payload))
         return False
 
