@@ -272,6 +272,8 @@ async def _run(
 
     agent = build_agent(cfg, on_decision=on_decision if dashboard else None)
     _keep_startup_out_of_gc()
+    # numba's modules and kernels, loaded after READY, live as long too.
+    agent.on_kernels_loaded = _keep_startup_out_of_gc
     async with contextlib.AsyncExitStack() as stack:
         if trace is not None:
             from edge_agent.looptrace import LoopTrace  # noqa: PLC0415 - diagnostics only
@@ -416,7 +418,8 @@ def _write_trace(trace: LoopTrace, path: Path) -> None:
 
 
 def _keep_startup_out_of_gc() -> None:
-    """What start-up built (modules, the model, the stages) lives as long as the agent:
+    """What start-up built (modules, the model, the stages, later the compiled kernels)
+    lives as long as the agent:
     ``gc.freeze()`` moves it out of the collector's reach, so its automatic full
     collections scan only what comes after. Each of those stopped the event loop for
     15-45 ms, every ~10 s under bench.e2e's load (docs/ARCHITECTURE.md, "The real-time

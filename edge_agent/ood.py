@@ -335,6 +335,15 @@ class ModelHealth:
             off_share=spec.storm_off_share,
         )
 
+    def use_kernel(
+        self,
+        out_mask: Callable[
+            [npt.NDArray[np.float32], npt.NDArray[np.float32], npt.NDArray[np.float32]], int
+        ],
+    ) -> None:
+        """The compiled ``out_mask`` from the next window on (loaded after start)."""
+        self._kernel = out_mask
+
     @property
     def checks_inputs(self) -> bool:
         return self._bounds is not None

@@ -42,8 +42,8 @@ from edge_agent.rules import (
     dropout_finding,
 )
 from models import ModelManifest
-from models.kernels import kernels
-from models.runtime import ColumnMedian
+from models.kernels import Kernels, kernels
+from models.runtime import ColumnMedian, LoadedModel
 
 if TYPE_CHECKING:
     from edge_agent.acquisition import ContractReport
@@ -256,6 +256,11 @@ class ReasoningStage:
         return _health_of(self._active, self.health_spec)
 
     @property
+    def model_jit(self) -> bool:
+        """Whether the serving model runs on the compiled kernels."""
+        return bool(getattr(self._active.model, "jit", False))
+
+    @property
     def prepared(self) -> PreparedModel:
         """The serving model as prepared (its contract, its training ranges)."""
         return self._active
@@ -368,6 +373,19 @@ class ReasoningStage:
         self._active = prepared
         self.stats.swaps += 1
         return old.model
+
+    def use_kernels(self, prepared: PreparedModel, k: Kernels) -> bool:
+        """Put the serving model, if it is still ``prepared``, and its health monitor on the
+        compiled kernels ``k`` (checked by the caller: edge_agent.warm). On the loop, between
+        two windows. False when another model serves now (it was loaded with the kernels
+        already, or without them by the config) or the model cannot use them."""
+        model = prepared.model
+        if self._active is not prepared or not isinstance(model, LoadedModel):
+            return False
+        model.use_kernels(k)
+        if self._seen is prepared:
+            self.health.use_kernel(k.input_out_mask)
+        return True
 
     def swap_model(self, model: Scorer) -> Scorer:
         """:meth:`prepare` then :meth:`swap`. On :class:`ModelMismatch` the old model stays."""

@@ -58,8 +58,10 @@ from edge_agent.uplink.telemetry import (
     TelemetryAggregator,
     telemetry_batch_msg,
 )
+from edge_agent.warm import load_kernels
 from models import LoadedModel
 from models.errors import ModelError
+from models.kernels import pending as kernels_pending
 from models.kernels import unavailable_reason
 from models.selftest import KnownAnswersFailed, SelfTest, load_checked
 from wire.messages import Message, SignalStats
@@ -164,6 +166,9 @@ class Agent(AgentReporting):
         #: Set when OTA needs this process replaced (a new agent build, or its rollback):
         #: the agent stops and the CLI exits with EXIT_RESTART for systemd to restart it.
         self.restart_requested: str | None = None
+        #: Runs once the compiled kernels serve (loaded after READY: edge_agent.warm); the
+        #: CLI keeps what numba built out of the garbage collector's scans.
+        self.on_kernels_loaded: Callable[[], None] = lambda: None
         self._stop: asyncio.Event | None = None
         self.loop_name = "-"
         up = parts.uplink
@@ -321,6 +326,12 @@ class Agent(AgentReporting):
             log.warning("ready after %.1f s with sources not up: %s", self.ready_s, ", ".join(down))
         else:
             log.info("ready: %d source(s) up after %.2f s", len(up), self.ready_s)
+        stage = self.stage
+        if stage is not None and self.config.reasoning.jit is None and not stage.model_jit:
+            try:
+                await load_kernels(stage, self.on_kernels_loaded)
+            except Exception:  # the numpy path serves on: a failed load must not stop it
+                log.exception("reasoning: loading the compiled kernels failed; numpy serves")
 
     # -- sources ----------------------------------------------------------------------------
 
@@ -626,10 +637,12 @@ class Agent(AgentReporting):
     # -- reporting --------------------------------------------------------------------------
 
 
-def _numpy_reason(jit: bool | None) -> str:
+def _numpy_reason(jit: bool | None, configured: bool | None) -> str:
     """Why the features run on numpy: the config first, then what stopped the kernels."""
-    if jit is False:
+    if configured is False:
         return "reasoning.jit = off"
+    if jit is False:
+        return "compiled kernels load after ready"
     return unavailable_reason() or "compiled kernels unavailable"
 
 
@@ -645,7 +658,10 @@ def build_stage(config: AgentConfig, *, contract: bool = True) -> ReasoningStage
     """
     rc = config.reasoning
     where = str(rc.model_dir) if rc.model_dir is not None else "the committed default model"
-    model = load_tested(rc.model_dir, rc.backend, rc.threads, rc.jit)
+    # "auto" starts on numpy when the kernels are not loaded yet: the agent loads them
+    # after READY (edge_agent.warm), ~0.7 s of a start.
+    jit = False if rc.jit is None and kernels_pending() else rc.jit
+    model = load_tested(rc.model_dir, rc.backend, rc.threads, jit)
     try:
         stage = ReasoningStage(
             model,
@@ -664,7 +680,7 @@ def build_stage(config: AgentConfig, *, contract: bool = True) -> ReasoningStage
         model.sha256[:12],
         model.backend,
         rc.threads,
-        "compiled" if model.jit else f"numpy ({_numpy_reason(rc.jit)})",
+        "compiled" if model.jit else f"numpy ({_numpy_reason(jit, rc.jit)})",
     )
     log_contract(stage.prepared.contract)
     log_selftest(model)

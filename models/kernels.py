@@ -279,6 +279,12 @@ def kernels() -> Kernels | None:
         return _compiled[0][0]
 
 
+def pending() -> bool:
+    """Whether :func:`kernels` would load them now (~0.7 s: numba and its disk cache):
+    enabled, and not tried yet in this process."""
+    return jit_enabled() and not _compiled
+
+
 def unavailable_reason() -> str:
     """Why :func:`kernels` returns None ("" when it has not or it does not)."""
     if not jit_enabled():
@@ -357,5 +363,6 @@ __all__ = [
     "jit_enabled",
     "kernels",
     "occlusion_batch_int8",
+    "pending",
     "unavailable_reason",
 ]

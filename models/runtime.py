@@ -39,6 +39,7 @@ from models.kernels import (
     S_QHI,
     S_QLO,
     S_ZERO_POINT,
+    Kernels,
     kernels,
     unavailable_reason,
 )
@@ -680,6 +681,27 @@ class LoadedModel:
     def kernels(self) -> str:
         """``xnnpack`` when the delegate took the graph, else ``builtin`` (int8 kernels)."""
         return "xnnpack" if self.delegated else "builtin"
+
+    def input_int8(self, values: npt.NDArray[Any], k: Kernels | None = None) -> Int8Array:
+        """The int8 input of one ``(window, n_signals)`` window, ``(window, groups, n)``, in
+        buffers of its own: on the compiled ``k`` when given, else on the numpy path. Safe beside
+        :meth:`predict` on another thread: what checks a kernel set before
+        :meth:`use_kernels`."""
+        v = np.ascontiguousarray(values, dtype=np.float32)
+        self._check_values(v)
+        q = np.empty_like(self._q3)
+        if k is not None:
+            k.features_int8(v, self._kparams, q)
+        else:
+            extract = FeatureExtractor(self.manifest.features, self.manifest.window)
+            self._quantize_into(extract.groups(v), np.empty_like(self._qf), q)
+        return q
+
+    def use_kernels(self, k: Kernels) -> None:
+        """Run on the compiled kernels ``k`` from the next call on (the agent loads them
+        after it is ready: edge_agent.warm). Call it on the thread that predicts."""
+        self._kernels = k
+        self.jit = True
 
     def _features_into(self, values: npt.NDArray[Any], q: Int8Array) -> None:
         """``q`` = the int8 input of ``values``: compiled when it can be, else numpy."""

@@ -100,6 +100,9 @@ def test_sigterm_drains_within_5s_and_memory_keeps_every_decision(tmp_path: Path
     status = json.loads(out)
     decisions = status["reasoning"]["decisions"]
     assert decisions >= 3
+    # READY came before numba loaded (edge_agent.warm); the kernels serve by the end.
+    assert err.index("ready: ") < err.index("features compiled (kernels loaded"), err[-3000:]
+    assert status["reasoning"]["model"]["jit"] is True
     assert decisions == status["windows"]  # no window dropped, none left behind
     db = Path(status["memory"]["db_path"])
     with sqlite3.connect(db) as con:

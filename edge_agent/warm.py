@@ -1,0 +1,96 @@
+"""The compiled kernels, loaded after the agent is ready: it serves on numpy until then.
+
+With ``[reasoning] jit = "auto"`` the features, quantization and the input-distribution
+check run on numba kernels (:mod:`models.kernels`) when numba is there. Loading numba and
+the kernels' disk cache takes ~0.7 s, half of a start: the agent would answer READY that
+much later, and systemd, a watchdog or an operator waits for it. So the agent starts on the
+numpy path, which gives the same int8 input bit for bit (the reference the kernels
+repeat), and once READY is out loads the kernels in a thread, checks them against the
+numpy path on the model's golden windows (and windows around its normal levels), and only
+then switches the serving model to them, on the loop between two windows. A check that
+fails leaves numpy serving and says why; nothing is lost either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+
+from edge_agent.reasoning import PreparedModel, ReasoningStage
+from models.input_stats import STAT_NAMES, out_of_training
+from models.kernels import Kernels, kernels, unavailable_reason
+from models.runtime import LoadedModel
+
+log = logging.getLogger(__name__)
+
+#: Windows around the model's normal levels checked beside its golden windows.
+AROUND_NORMAL = 8
+
+
+def check_windows(prepared: PreparedModel) -> list[npt.NDArray[np.float32]]:
+    """The windows the kernels are checked on: the model's golden windows, then windows
+    of noise around its normal levels (a model without known answers still gets a check;
+    the noise reaches past the training ranges, so the input check sees signals out)."""
+    model = prepared.model
+    out: list[npt.NDArray[np.float32]] = []
+    answers = model.manifest.known_answers
+    if answers is not None:
+        out += [np.asarray(w, dtype=np.float32) for w in answers.inputs]
+    rng = np.random.default_rng(0)
+    mean = prepared.normal_mean.astype(np.float32)
+    spread = np.maximum(np.abs(mean) * np.float32(0.2), np.float32(1.0))
+    shape = (model.manifest.window, len(mean))
+    for _ in range(AROUND_NORMAL):
+        noise = rng.standard_normal(shape).astype(np.float32)
+        out.append(mean + noise * spread)
+    return out
+
+
+def disagreement(prepared: PreparedModel, k: Kernels) -> str:
+    """Why ``k`` must not serve ``prepared`` ("" when it may): the first window whose int8
+    input or out-of-distribution mask differs from the numpy path's. Thread-safe (fresh
+    buffers): it runs beside the serving model."""
+    model = prepared.model
+    if not isinstance(model, LoadedModel):
+        return "the serving model is not a loaded TFLite model"
+    bounds = prepared.input_bounds
+    n = len(model.manifest.signals)
+    for i, w in enumerate(check_windows(prepared)):
+        if not np.array_equal(model.input_int8(w), model.input_int8(w, k)):
+            return f"check window {i}: the compiled int8 input differs from the numpy path's"
+        if bounds is not None:
+            ref = np.zeros((n, len(STAT_NAMES)), dtype=np.float32)
+            got = np.zeros_like(ref)
+            if out_of_training(w, bounds, ref) != k.input_out_mask(w, bounds, got):
+                return f"check window {i}: the compiled input check differs from the numpy path's"
+    return ""
+
+
+async def load_kernels(stage: ReasoningStage, on_loaded: Callable[[], None]) -> bool:
+    """Load the kernels in a thread, check them on the serving model, switch it to them.
+    ``on_loaded`` runs after the switch (the CLI keeps what numba built out of the garbage
+    collector's scans). Returns whether the model now runs compiled."""
+    t0 = time.monotonic()
+    k = await asyncio.to_thread(kernels)
+    if k is None:
+        log.info("reasoning: features stay on numpy (%s)", unavailable_reason())
+        return False
+    prepared = stage.prepared
+    why = await asyncio.to_thread(disagreement, prepared, k)
+    if why:
+        log.warning("reasoning: compiled kernels refused, numpy serves: %s", why)
+        return False
+    if not stage.use_kernels(prepared, k):
+        return False  # another model serves since: it was loaded as the config says
+    on_loaded()
+    took = time.monotonic() - t0
+    log.info("reasoning: features compiled (kernels loaded in %.2f s after ready)", took)
+    return True
+
+
+__all__ = ["check_windows", "disagreement", "load_kernels"]
