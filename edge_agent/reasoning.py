@@ -607,7 +607,7 @@ class ReasoningStage:
                 "version": m.version,
                 "sha256": self._active.sha256,
                 # Features and quantization compiled (models.kernels) or on numpy.
-                "jit": bool(getattr(self._active.model, "jit", False)),
+                "jit": self.model_jit,
                 **_selftest_fields(self._active.model),
             },
             "by_model": dict(st.by_model),

@@ -311,7 +311,8 @@ class Agent(AgentReporting):
         return STAGES
 
     async def _announce_ready(self) -> None:
-        """READY=1 once every source is up (or after :data:`READY_GRACE_S`, saying which not)."""
+        """READY=1 once every source is up (or after :data:`READY_GRACE_S`, saying which not);
+        then the compiled kernels that start-up left for later (:meth:`_kernels_after_ready`)."""
         deadline = time.monotonic() + READY_GRACE_S
         while True:
             up = self.sources_up()
@@ -326,12 +327,18 @@ class Agent(AgentReporting):
             log.warning("ready after %.1f s with sources not up: %s", self.ready_s, ", ".join(down))
         else:
             log.info("ready: %d source(s) up after %.2f s", len(up), self.ready_s)
+        await self._kernels_after_ready()
+
+    async def _kernels_after_ready(self) -> None:
+        """With ``jit = "auto"`` the model started on numpy (see :func:`build_stage`): load,
+        check and switch to the compiled kernels now (:mod:`edge_agent.warm`)."""
         stage = self.stage
-        if stage is not None and self.config.reasoning.jit is None and not stage.model_jit:
-            try:
-                await load_kernels(stage, self.on_kernels_loaded)
-            except Exception:  # the numpy path serves on: a failed load must not stop it
-                log.exception("reasoning: loading the compiled kernels failed; numpy serves")
+        if stage is None or self.config.reasoning.jit is not None or stage.model_jit:
+            return
+        try:
+            await load_kernels(stage, self.on_kernels_loaded)
+        except Exception:  # the numpy path serves on: a failed load must not stop it
+            log.exception("reasoning: loading the compiled kernels failed; numpy serves")
 
     # -- sources ----------------------------------------------------------------------------
 

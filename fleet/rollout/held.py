@@ -82,9 +82,6 @@ class HeldOffers:
                 out.append(key)
         return sorted(out)
 
-    def __len__(self) -> int:
-        return len(self._held)
-
 
 def _unrecorded(r: Rollout, device: str) -> bool:
     d = r.devices.get(device)

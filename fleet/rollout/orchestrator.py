@@ -336,16 +336,17 @@ class Orchestrator:
                 # After a (re)start: every status since the oldest active rollout began.
                 cursor = min(r.created_ns for r, _ in work.rollouts.values()) - 1
             cursor = self._apply_statuses(work, cursor, now)
+        stored = {rid: r for rid, (r, _) in work.rollouts.items()}
         if self._resumed != self.epoch:
             # Before the ticks: only offers of an earlier lead, not those this step makes.
-            held = self._held.hold({rid: r for rid, (r, _) in work.rollouts.items()})
+            held = self._held.hold(stored)
             if held:
                 log.warning(
                     "rollouts: %d offers saved but not known to be sent: held until their "
                     "devices answer or stay silent online for %.0f s",
                     held, self._held.grace_ns / 1e9,
                 )  # fmt: skip
-        self._resend_held(work, now)
+        self._resend_held(work, stored, now)
         for rid in list(work.rollouts):
             work.tick(rid, now)
         saved: set[str] = set()
@@ -370,7 +371,7 @@ class Orchestrator:
         doc = json.dumps({**r.to_json(), "transport": transport})
         self.store.save_rollout(r.id, r.state, doc, now, epoch=self.epoch)
 
-    def _resend_held(self, work: _Step, now: int) -> None:
+    def _resend_held(self, work: _Step, stored: dict[str, m.Rollout], now: int) -> None:
         """Send again each held offer whose device has been online for the grace without
         answering (:mod:`fleet.rollout.held`). After the save under this epoch, like any
         command: a device that got the offer after all ignores it while it runs, or answers
@@ -383,8 +384,7 @@ class Orchestrator:
         else:
             infos = [d for d in self.store.devices() if d.device in names]
         online = {d.device: d.online for d in infos if d is not None}
-        rollouts = {rid: r for rid, (r, _) in work.rollouts.items()}
-        due = self._held.due(rollouts, online, now)
+        due = self._held.due(stored, online, now)
         if due:
             log.warning(
                 "rollouts: %d offers not known to be sent got no answer in %.0f s online: "
