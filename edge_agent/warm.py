@@ -9,14 +9,23 @@ repeat), and once READY is out loads the kernels in a thread, checks them agains
 numpy path on the model's golden windows (and windows around its normal levels), and only
 then switches the serving model to them, on the loop between two windows. A check that
 fails leaves numpy serving and says why; nothing is lost either way.
+
+The load runs in a daemon thread of its own, not the loop's executor: ``asyncio.run``
+joins the executor's threads on the way out, so a SIGTERM during a cold compile (~3 s of
+CPU without numba's disk cache) would wait for a speed-up the agent is about to drop, and
+the drain has 5 s. numba writes its cache files whole (a temporary file, then a rename),
+so a compile cut short at exit leaves no half-written cache behind.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +36,8 @@ from models.kernels import Kernels, kernels, unavailable_reason
 from models.runtime import LoadedModel
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Windows around the model's normal levels checked beside its golden windows.
 AROUND_NORMAL = 8
@@ -71,17 +82,45 @@ def disagreement(prepared: PreparedModel, k: Kernels) -> str:
     return ""
 
 
+async def in_daemon_thread(fn: Callable[[], T], name: str) -> T:
+    """``fn()`` in a daemon thread: awaited like :func:`asyncio.to_thread`, but the
+    process does not wait for it at exit (see the module's docstring)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(value: T | None, exc: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if exc is not None:
+            done.set_exception(exc)
+        else:
+            done.set_result(value)  # type: ignore[arg-type]
+
+    def work() -> None:
+        value: T | None = None
+        error: BaseException | None = None
+        try:
+            value = fn()
+        except Exception as exc:  # noqa: BLE001 - raised again in the awaiting task
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return await done
+
+
 async def load_kernels(stage: ReasoningStage, on_loaded: Callable[[], None]) -> bool:
     """Load the kernels in a thread, check them on the serving model, switch it to them.
     ``on_loaded`` runs after the switch (the CLI keeps what numba built out of the garbage
     collector's scans). Returns whether the model now runs compiled."""
     t0 = time.monotonic()
-    k = await asyncio.to_thread(kernels)
+    k = await in_daemon_thread(kernels, "kernels-load")
     if k is None:
         log.info("reasoning: features stay on numpy (%s)", unavailable_reason())
         return False
     prepared = stage.prepared
-    why = await asyncio.to_thread(disagreement, prepared, k)
+    why = await in_daemon_thread(lambda: disagreement(prepared, k), "kernels-check")
     if why:
         log.warning("reasoning: compiled kernels refused, numpy serves: %s", why)
         return False
@@ -93,4 +132,4 @@ async def load_kernels(stage: ReasoningStage, on_loaded: Callable[[], None]) -> 
     return True
 
 
-__all__ = ["check_windows", "disagreement", "load_kernels"]
+__all__ = ["check_windows", "disagreement", "in_daemon_thread", "load_kernels"]

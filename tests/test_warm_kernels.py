@@ -8,6 +8,8 @@ for what cannot be produced here (a compiler fault): the real kernel with one ce
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -17,7 +19,7 @@ from drivers.sim.plant import parse_anomaly
 from edge_agent.reasoning import ReasoningStage
 from edge_agent.rules import RuleSet
 from edge_agent.simwindows import plant_windows
-from edge_agent.warm import check_windows, disagreement, load_kernels
+from edge_agent.warm import check_windows, disagreement, in_daemon_thread, load_kernels
 from models import load_model
 from models.input_stats import STAT_NAMES
 from models.kernels import Kernels, kernels
@@ -99,3 +101,48 @@ def test_a_model_swapped_in_meanwhile_is_left_as_it_was_loaded() -> None:
     stage.swap_model(load_model(jit=False))
     assert not stage.use_kernels(first, compiled())
     assert not stage.model_jit
+
+
+# -- the load does not hold up the exit ------------------------------------------------------
+
+EXIT_WHILE_LOADING = """
+import asyncio, threading
+from edge_agent.warm import in_daemon_thread
+
+never = threading.Event()
+
+async def main() -> None:
+    task = asyncio.create_task(in_daemon_thread(never.wait, "stuck"))
+    await asyncio.sleep(0.05)
+    task.cancel()
+
+asyncio.run(main())
+print("exited")
+"""
+
+
+def test_the_process_exits_without_waiting_for_a_load_in_progress() -> None:
+    # asyncio.to_thread here would never return: asyncio.run joins its executor's threads.
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_WHILE_LOADING],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "exited"
+
+
+def test_a_daemon_thread_hands_back_its_value_and_its_error() -> None:
+    async def both() -> tuple[int, str]:
+        value = await in_daemon_thread(lambda: 6 * 7, "value")
+        try:
+            await in_daemon_thread(lambda: int("x"), "error")
+        except ValueError as exc:
+            return value, str(exc)
+        return value, ""
+
+    value, error = asyncio.run(both())
+    assert value == 42
+    assert "invalid literal" in error

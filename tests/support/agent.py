@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 from edge_agent.config import AgentConfig, parse_config
 
@@ -79,6 +80,35 @@ class Datagrams:
         self._stop.set()
         self._thread.join()
         self.sock.close()
+
+
+class Lines:
+    """A child's text stream read from a thread, so a test can wait for a log line while
+    the child runs and still have the whole text once it has exited."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        """The first line holding ``text``; fails after ``timeout`` with the last lines."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if text in line:
+                    return line
+            time.sleep(0.02)
+        raise AssertionError(f"no {text!r} within {timeout} s; last lines: {self.lines[-20:]}")
+
+    def text(self, timeout: float = 10.0) -> str:
+        """Everything, once the stream has ended (the child exited)."""
+        self._thread.join(timeout)
+        return "".join(self.lines)
 
 
 @contextmanager
