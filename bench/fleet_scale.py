@@ -21,7 +21,9 @@ R telemetry messages a second in every phase of S seconds:
    ``double_offers`` is the offers a device got beyond its attempts in the rollout's record.
 4. **queries**: ``history_hours`` of history at one message per 10 s for every device is
    written into the store; then the CLI's and console's reads are timed: a device's last
-   hour, the first page of devices (latest per device), a device's gaps.
+   hour, the first page of devices (latest per device), a device's gaps; and once, the
+   gaps of the whole fleet (``gaps_fleet_ms``, with the ranges found in
+   ``gaps_fleet_found``: 0 when nothing was lost).
 
 Keys (JSON, last line): devices, nodes, msgs_per_s, msgs_stored, msgs_expected, lost,
 duplicate_rows, ingest_vs_bare, leader_takeover_s, double_offers, query_p99_ms,
@@ -203,6 +205,10 @@ def _rollout(
                     nodes.start(killed[0])
             if r.state != "running" and takeover is not None:
                 break
+            if r.state != "running" and killed is None:
+                # Halted (or done) before a tenth had committed: there is no kill to time.
+                out["error"] = f"rollout {r.state} before the leader was killed"
+                break
             if time.monotonic() - t0 > 900:
                 out["error"] = f"rollout still {r.state} after 900 s ({committed} committed)"
                 break
@@ -235,7 +241,9 @@ def _rollout(
 
 def _history(url: str, names: list[str], hours: float, now_ns: int) -> dict[str, Any]:
     """``hours`` of telemetry at one message per 10 s for every device, ending an hour in
-    the past, written straight into the tables (each statement 200 devices)."""
+    the past, written straight into the tables (each statement 200 devices), with what
+    the ingest keeps beside them: the keys (schema v13) and each boot's run of stored seqs
+    (v15)."""
     per = int(hours * 3600 / HISTORY_PERIOD_S)
     t0 = now_ns - int((hours + 1) * 3600e9)
     step = HISTORY_PERIOD_S * 1_000_000_000
@@ -246,6 +254,7 @@ def _history(url: str, names: list[str], hours: float, now_ns: int) -> dict[str,
         ).fetchone()
         assert body is not None
         keys = db.execute("SELECT to_regclass('message_keys') IS NOT NULL").fetchone()
+        runs = db.execute("SELECT to_regclass('seq_runs') IS NOT NULL").fetchone()
         started = time.monotonic()
         for i in range(0, len(names), 200):
             chunk = names[i : i + 200]
@@ -267,6 +276,13 @@ def _history(url: str, names: list[str], hours: float, now_ns: int) -> dict[str,
                         "SELECT d, md5(d || 'history'), s, 'telemetry', %s + s * %s "
                         "FROM unnest(%s::text[]) d, generate_series(0, %s - 1) s",
                         (t0, step, chunk, per),
+                    )
+                if runs and runs[0]:  # schema v15: the one run an in-order boot leaves
+                    db.execute(
+                        "INSERT INTO seq_runs (device, boot_id, low, high, high_t) "
+                        "SELECT d, md5(d || 'history'), 0, %s - 1, %s + (%s - 1) * %s "
+                        "FROM unnest(%s::text[]) d",
+                        (per, t0, per, step, chunk),
                     )
         took = time.monotonic() - started
         # A day-old history has been through autovacuum on a real store (PostgreSQL 13+
@@ -295,9 +311,15 @@ def _queries(url: str, names: list[str], now_ns: int) -> dict[str, Any]:
             t = time.perf_counter()
             store.gaps(dev)
             timings["gaps"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        fleet_gaps = store.gaps()  # `fleet gaps` with no --device: the whole fleet, once
+        fleet_gaps_s = time.perf_counter() - t
     finally:
         store.close()
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {
+        "gaps_fleet_ms": round(1000 * fleet_gaps_s, 1),
+        "gaps_fleet_found": len(fleet_gaps),
+    }
     for k, xs in timings.items():
         out[f"{k}_p50_ms"] = round(1000 * statistics.median(xs), 2)
         out[f"{k}_p99_ms"] = round(1000 * _percentile(xs, 0.99), 2)

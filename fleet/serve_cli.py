@@ -299,8 +299,9 @@ def _rollout_service(
 
 def _history_loop(url: str, keep: dict[str, int], stop: threading.Event) -> None:
     """At start and every ``RETENTION_EVERY_S`` until ``stop``, on a store handle of its
-    own: make the coming days' partitions (PostgreSQL), then apply the retention and log
-    what went. A store failure is logged and tried again next time."""
+    own: make the coming days' partitions (PostgreSQL), apply the retention and log what
+    went, then fold the runs of stored seqs the gap query reads (:mod:`fleet.store.runs`).
+    A store failure is logged and tried again next time."""
     store: OperatorStore | None = None
     try:
         while not stop.is_set():
@@ -310,6 +311,9 @@ def _history_loop(url: str, keep: dict[str, int], stop: threading.Event) -> None
                 if made:
                     log.info("history: %d day partitions made ahead", made)
                 gone = apply_retention(store, keep, time.time_ns(), stop=stop)
+                folded = store.compact_runs()
+                if folded:
+                    log.info("history: %d rows of stored seq runs folded", folded)
             except FleetError as exc:
                 log.error("retention: %s (tried again in %d s)", exc, RETENTION_EVERY_S)
             else:

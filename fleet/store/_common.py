@@ -373,66 +373,6 @@ RECORD_FLOOR = (
 )
 
 
-def gaps_sql(by_device: bool, keys: str = "messages") -> str:
-    """Gap detection in one query, per (device, boot): the head (seqs start at 0), holes
-    between stored seqs (LAG over seq), and the tail up to the boot's watermark (the number
-    of seqs the device had assigned when it last sent a state message; see
-    :mod:`wire.messages`), including a boot of which nothing arrived. Each with the boot's
-    ``held`` for :func:`gap_rows`. Nothing retention may have cut is reported: no hole
-    above a message older than the newest cut (``history_floors``), no head or empty boot
-    first heard of before it, no tail after a last message older than it. Written with ``?`` (see
-    :meth:`fleet.store.sql.SqlStore._sql`). ``keys``: the table of stored keys and times
-    (``messages``, or PostgreSQL's unpartitioned ``message_keys``).
-    """
-    where = "WHERE device = ?" if by_device else ""
-    bwhere = "AND b.device = ?" if by_device else ""
-    return f"""
-WITH cut AS (
-    SELECT COALESCE(MAX(floor_ns), 0) AS f FROM history_floors
-),
-ordered AS (
-    SELECT device, boot_id, seq, t_ns,
-           LAG(seq) OVER (PARTITION BY device, boot_id ORDER BY seq) AS prev,
-           LAG(t_ns) OVER (PARTITION BY device, boot_id ORDER BY seq) AS prev_t
-    FROM {keys} {where}
-),
-holes AS (
-    SELECT device, boot_id, prev + 1 AS first_missing, seq - 1 AS last_missing
-    FROM ordered WHERE prev IS NOT NULL AND seq > prev + 1
-      AND prev_t >= (SELECT f FROM cut)
-),
-spans AS (
-    SELECT device, boot_id, MIN(seq) AS low, MAX(seq) AS top, MAX(t_ns) AS top_t
-    FROM ordered GROUP BY device, boot_id
-),
-heads AS (
-    SELECT s.device, s.boot_id, 0 AS first_missing, s.low - 1 AS last_missing
-    FROM spans s LEFT JOIN boots b ON b.device = s.device AND b.boot_id = s.boot_id
-    WHERE s.low > 0 AND COALESCE(b.first_received_ns, 0) >= (SELECT f FROM cut)
-),
-tails AS (
-    SELECT t.device, t.boot_id, t.top + 1 AS first_missing, b.watermark - 1 AS last_missing
-    FROM spans t JOIN boots b ON b.device = t.device AND b.boot_id = t.boot_id
-    WHERE b.watermark IS NOT NULL AND b.watermark - 1 > t.top
-      AND t.top_t >= (SELECT f FROM cut)
-),
-empties AS (
-    SELECT b.device, b.boot_id, 0 AS first_missing, b.watermark - 1 AS last_missing
-    FROM boots b
-    WHERE b.watermark IS NOT NULL AND b.watermark > 0 {bwhere}
-      AND b.first_received_ns >= (SELECT f FROM cut)
-      AND NOT EXISTS (SELECT 1 FROM spans s WHERE s.device = b.device AND s.boot_id = b.boot_id)
-),
-found AS (
-    SELECT * FROM heads UNION ALL SELECT * FROM holes
-    UNION ALL SELECT * FROM tails UNION ALL SELECT * FROM empties
-)
-SELECT f.device, f.boot_id, f.first_missing, f.last_missing, b.held
-FROM found f LEFT JOIN boots b ON b.device = f.device AND b.boot_id = f.boot_id
-ORDER BY f.device, b.first_received_ns, f.boot_id, f.first_missing
-"""  # noqa: S608 - constant fragments; values are bound parameters
-
-
 def holes_received_sql(keys: str = "messages") -> str:
     """Holes behind the data messages received in ``[since, until)``: each such message
     whose seq - 1 is not stored is the upper edge of one; its lower edge is the highest

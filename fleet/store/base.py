@@ -240,6 +240,13 @@ class Store(Protocol):
         """
         ...
 
+    def compact_runs(self, limit: int = 10_000) -> int:
+        """Fold the runs of stored seqs that :meth:`gaps` reads where they overlap or touch
+        (two workers storing one device's messages at once, a hole filled late), up to
+        ``limit`` device boots, one short transaction each; how many rows went. The gaps
+        are the same before and after (:mod:`fleet.store.runs`). Raises ``FleetStoreError``."""
+        ...
+
     def record_new_gaps(self, since_ns: int, until_ns: int, found_ns: int) -> list[Gap]:
         """Find the holes behind the data messages received in ``[since_ns, until_ns)``,
         record those still open in ``ingest_gaps`` and return the ones no one had recorded

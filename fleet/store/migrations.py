@@ -14,6 +14,8 @@ from __future__ import annotations
 import itertools
 from typing import NamedTuple
 
+from fleet.store.runs import fill_sql
+
 
 class Migration(NamedTuple):
     version: int
@@ -469,6 +471,21 @@ ALTER TABLE message_keys
     ADD CONSTRAINT message_keys_pkey PRIMARY KEY USING INDEX message_keys_covering
 """
 
+# v15: the runs of stored seqs per device boot (fleet.store.runs), so that a device's gaps
+# read a few rows instead of every key stored for it; filled from the keys stored so far.
+_V15_TABLE = """
+CREATE TABLE seq_runs (
+    device TEXT NOT NULL,
+    boot_id TEXT NOT NULL,
+    low BIGINT NOT NULL,
+    high BIGINT NOT NULL,
+    high_t BIGINT NOT NULL,
+    PRIMARY KEY (device, boot_id, low)
+);
+"""
+_V15_SQLITE = _V15_TABLE + fill_sql("messages")
+_V15_POSTGRES = _V15_TABLE + fill_sql("message_keys")
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "registry, boots, messages, quarantine", _V1_SQLITE, _V1_POSTGRES),
     Migration(2, "rollouts, rollout requests, device labels", _V2_SQLITE, _V2_POSTGRES),
@@ -483,6 +500,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(12, "retention: how far back history was cut", _V12, _V12),
     Migration(13, "messages partitioned by kind and day (PostgreSQL)", "", _V13_POSTGRES),
     Migration(14, "message keys with their time in the index (PostgreSQL)", "", _V14_POSTGRES),
+    Migration(15, "runs of stored seqs per device boot, for gaps", _V15_SQLITE, _V15_POSTGRES),
 )
 
 #: The schema version this code writes and reads.

@@ -21,7 +21,7 @@ from psycopg import errors as pg_errors
 from psycopg import sql
 
 from fleet.errors import FleetStoreError, SchemaTooNew, StoreRefused
-from fleet.store import _common
+from fleet.store import _common, runs
 from fleet.store.base import (
     DATA_KINDS,
     IngestResult,
@@ -149,6 +149,7 @@ class PostgresStore(SqlStore):
     PARAM = "%s"
     #: One unpartitioned index for key lookups instead of one per day partition.
     _KEYS = "message_keys"
+    _FOR_UPDATE = " FOR UPDATE"
     _FOR_SHARE = " FOR SHARE"
 
     def __init__(self, url: str, *, insert_mode: Literal["copy", "executemany"] = "copy") -> None:
@@ -297,6 +298,9 @@ class PostgresStore(SqlStore):
             with db.transaction(), db.cursor() as cur:
                 new = self._insert_messages(db, batch)
                 inserted = len(new)
+                stored = runs.runs_of(batch.messages, new)
+                if stored:
+                    cur.execute(runs.INSERT_RUNS_PG, tuple(_columns(stored, 5)))
                 conflicts = batch.conflicts
                 if inserted < len(batch.messages):
                     conflicts = conflicts + self._conflicting(cur, batch)
@@ -419,6 +423,7 @@ class PostgresStore(SqlStore):
                 row = db.execute(_EXPIRE_DEFAULT, (kind, before_ns, limit)).fetchone()
                 gone += int(row[0]) if row else 0
                 db.execute(self._sql(_common.RECORD_FLOOR), (kind, before_ns))
+                db.execute(self._sql(runs.EXPIRE_RUNS))
             # The keys of the days dropped, ``limit`` per transaction: none of them holds a
             # lock the ingest needs, and until they go a late copy is a duplicate.
             below = before_ns // DAY_NS * DAY_NS

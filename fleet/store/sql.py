@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fleet.errors import LeadershipLost
-from fleet.store import _common
+from fleet.store import _common, runs
 from fleet.store.access_sql import AccessSql
 from fleet.store.base import (
     QUARANTINE_PAYLOAD_MAX,
@@ -38,7 +38,7 @@ class SqlStore(AccessSql, ConsoleSql):
     through :meth:`_run`.
     """
 
-    #: Where the stored keys (device, boot_id, seq) and their t_ns are looked up for gaps.
+    #: Where the ingest's audit (:meth:`record_new_gaps`) looks up stored keys and their t_ns.
     _KEYS = "messages"
 
     # -- registry ----------------------------------------------------------------------------
@@ -205,7 +205,7 @@ class SqlStore(AccessSql, ConsoleSql):
         return self._run("decisions", go)
 
     def gaps(self, device: str | None = None) -> list[Gap]:
-        sql = self._sql(_common.gaps_sql(device is not None, self._KEYS))
+        sql = self._sql(runs.gaps_sql(device is not None))
         args = () if device is None else (device, device)
         return self._run("gaps", lambda db: _common.gap_rows(db.execute(sql, args).fetchall()))
 
@@ -289,9 +289,34 @@ class SqlStore(AccessSql, ConsoleSql):
                 n = int(db.execute(self._sql(sql), args).rowcount)
                 if record_floor:
                     db.execute(self._sql(_common.RECORD_FLOOR), (kind, before_ns))
+                    db.execute(self._sql(runs.EXPIRE_RUNS))
                 return n
 
         return self._run("expire", go)
+
+    #: Appended to a read of rows about to be rewritten: PostgreSQL locks them (in the
+    #: read's order); SQLite's write transaction holds the whole database already.
+    _FOR_UPDATE = ""
+
+    def compact_runs(self, limit: int = 10_000) -> int:
+        def go(db: Connection) -> int:
+            boots = db.execute(self._sql(runs.FOLDABLE), (limit,)).fetchall()
+            folded = 0
+            for device, boot in boots:
+                with self._txn(db):
+                    rows = db.execute(
+                        self._sql(runs.BOOT_RUNS + self._FOR_UPDATE), (device, boot)
+                    ).fetchall()
+                    read = [(str(r[0]), str(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in rows]
+                    keep = runs.merged(read)
+                    if len(keep) < len(read):
+                        cur = db.cursor()
+                        cur.executemany(self._sql(runs.DELETE_RUN), [r[:3] for r in read])
+                        cur.executemany(self._sql(runs.PUT_RUN), keep)
+                        folded += len(read) - len(keep)
+            return folded
+
+        return self._run("compact_runs", go)
 
     def prepare_history(self, now_ns: int) -> int:
         return 0  # one table per kind of history: nothing to make ready (PostgreSQL overrides)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from fleet.errors import FleetStoreError, SchemaTooNew, StoreRefused
-from fleet.store import _common
+from fleet.store import _common, runs
 from fleet.store.base import (
     IngestResult,
     Row,
@@ -191,6 +191,7 @@ class SqliteStore(SqlStore):
             with self._write(db):
                 new = self._insert_messages(db, batch)
                 inserted = len(new)
+                db.executemany(runs.INSERT_RUN, runs.runs_of(batch.messages, new))
                 conflicts = batch.conflicts
                 if inserted < len(batch.messages):
                     conflicts = conflicts + self._conflicting(db, batch)
