@@ -10,11 +10,12 @@ numpy path on the model's golden windows (and windows around its normal levels),
 then switches the serving model to them, on the loop between two windows. A check that
 fails leaves numpy serving and says why; nothing is lost either way.
 
-The load runs in a daemon thread of its own, not the loop's executor: ``asyncio.run``
-joins the executor's threads on the way out, so a SIGTERM during a cold compile (~3 s of
-CPU without numba's disk cache) would wait for a speed-up the agent is about to drop, and
-the drain has 5 s. numba writes its cache files whole (a temporary file, then a rename),
-so a compile cut short at exit leaves no half-written cache behind.
+The load runs in a thread of its own that stops between two compile steps once asked
+(:func:`in_thread`): the agent asks when it stops, so a SIGTERM during a cold compile
+(~3 s of CPU without numba's disk cache) waits for one step, not the whole load. Not the
+loop's executor: ``asyncio.run`` joins its threads, which waits for the whole load. Not a
+daemon thread either: one still inside LLVM while the interpreter finalizes crashed the
+process at exit (a segmentation fault under qemu, where a compile takes minutes).
 """
 
 from __future__ import annotations
@@ -82,11 +83,13 @@ def disagreement(prepared: PreparedModel, k: Kernels) -> str:
     return ""
 
 
-async def in_daemon_thread(fn: Callable[[], T], name: str) -> T:
-    """``fn()`` in a daemon thread: awaited like :func:`asyncio.to_thread`, but the
-    process does not wait for it at exit (see the module's docstring)."""
+async def in_thread(fn: Callable[[threading.Event], T], name: str) -> T:
+    """``fn(stop)`` in a thread of its own, awaited like :func:`asyncio.to_thread`; when
+    the awaiting task is cancelled, ``stop`` is set and the cancellation goes on at once:
+    ``fn`` checks ``stop`` where it can end, and the process's exit joins the thread."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[T] = loop.create_future()
+    stop = threading.Event()
 
     def settle(value: T | None, exc: BaseException | None) -> None:
         if done.cancelled():
@@ -100,14 +103,18 @@ async def in_daemon_thread(fn: Callable[[], T], name: str) -> T:
         value: T | None = None
         error: BaseException | None = None
         try:
-            value = fn()
+            value = fn(stop)
         except Exception as exc:  # noqa: BLE001 - raised again in the awaiting task
             error = exc
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
             loop.call_soon_threadsafe(settle, value, error)
 
-    threading.Thread(target=work, name=name, daemon=True).start()
-    return await done
+    threading.Thread(target=work, name=name).start()
+    try:
+        return await done
+    except asyncio.CancelledError:
+        stop.set()
+        raise
 
 
 async def load_kernels(stage: ReasoningStage, on_loaded: Callable[[], None]) -> bool:
@@ -115,12 +122,13 @@ async def load_kernels(stage: ReasoningStage, on_loaded: Callable[[], None]) -> 
     ``on_loaded`` runs after the switch (the CLI keeps what numba built out of the garbage
     collector's scans). Returns whether the model now runs compiled."""
     t0 = time.monotonic()
-    k = await in_daemon_thread(kernels, "kernels-load")
+    # Cancelled (the agent stops): the thread ends with KernelsStopped, which nobody awaits.
+    k = await in_thread(kernels, "kernels-load")
     if k is None:
         log.info("reasoning: features stay on numpy (%s)", unavailable_reason())
         return False
     prepared = stage.prepared
-    why = await in_daemon_thread(lambda: disagreement(prepared, k), "kernels-check")
+    why = await in_thread(lambda _stop: disagreement(prepared, k), "kernels-check")
     if why:
         log.warning("reasoning: compiled kernels refused, numpy serves: %s", why)
         return False
@@ -132,4 +140,4 @@ async def load_kernels(stage: ReasoningStage, on_loaded: Callable[[], None]) -> 
     return True
 
 
-__all__ = ["check_windows", "disagreement", "in_daemon_thread", "load_kernels"]
+__all__ = ["check_windows", "disagreement", "in_thread", "load_kernels"]

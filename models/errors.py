@@ -15,8 +15,10 @@ class ModelError(Exception):
         │                        oversize file, sha256 or tensor shape/quantization different
         │                        from manifest.json, a manifest key missing or of the wrong type.
         │                        The caller keeps the model it already runs.
-        └── BackendUnavailable   no TFLite interpreter to run it: the requested backend
-                                 (argument or EDGEFLEET_TFLITE_BACKEND) is not installed or unknown
+        ├── BackendUnavailable   no TFLite interpreter to run it: the requested backend
+        │                        (argument or EDGEFLEET_TFLITE_BACKEND) is not installed or unknown
+        └── KernelsStopped       the compiled kernels' load was asked to stop (the process is
+                                 leaving); nothing was recorded, a later load starts again
     """
 
 
@@ -32,4 +34,8 @@ class BackendUnavailable(ModelError):
     """The TFLite interpreter backend asked for (or any, when none is) cannot be imported."""
 
 
-__all__ = ["BackendUnavailable", "ModelError", "ModelRejected"]
+class KernelsStopped(ModelError):
+    """:func:`models.kernels.kernels` stopped between two compile steps, as asked."""
+
+
+__all__ = ["BackendUnavailable", "KernelsStopped", "ModelError", "ModelRejected"]

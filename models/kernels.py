@@ -22,6 +22,8 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from models.errors import KernelsStopped
+
 JIT_ENV: Final = "EDGEFLEET_JIT"
 
 log = logging.getLogger(__name__)
@@ -262,9 +264,13 @@ def jit_enabled() -> bool:
     return os.environ.get(JIT_ENV, "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
-def kernels() -> Kernels | None:
+def kernels(stop: threading.Event | None = None) -> Kernels | None:
     """The compiled kernels, compiling them on the first call; None without numba or when
     ``EDGEFLEET_JIT=0``. Thread-safe; call it where a model is loaded, not per window.
+
+    ``stop``: checked before each of the four compile steps; once set, raises
+    :class:`models.errors.KernelsStopped` and records nothing (so a thread loading them can
+    be ended within one step, ~1 s cold, where a process must not wait for the whole load).
 
     Compiled on first use (:func:`kernels`), ~0.5 s, then cached on disk next to this file
     where it is writable. ``EDGEFLEET_JIT=0`` in the environment, or numba not importable,
@@ -275,7 +281,7 @@ def kernels() -> Kernels | None:
         return None
     with _lock:
         if not _compiled:
-            _compiled.append(_compile())
+            _compiled.append(_compile(stop))
         return _compiled[0][0]
 
 
@@ -312,7 +318,13 @@ def _with_globals(fn: Any, **names: Any) -> Any:
     return out
 
 
-def _compile() -> tuple[Kernels | None, str]:
+def _step(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise KernelsStopped("the compiled kernels' load was stopped")
+
+
+def _compile(stop: threading.Event | None) -> tuple[Kernels | None, str]:
+    _step(stop)
     try:
         import numba  # noqa: PLC0415 - ~65 MB and forbidden under MDWE: only when asked
     except ImportError:
@@ -337,13 +349,19 @@ def _compile() -> tuple[Kernels | None, str]:
     # every start (~0.5 s).
     for cache in (True, False):
         try:
+            _step(stop)
             select = numba.njit(_SELECT_SIG, nogil=True, cache=cache)(_select)
+            _step(stop)
             features = numba.njit(_FEATURES_SIG, nogil=True, cache=cache)(features_int8)
+            _step(stop)
             # The kernel calls _select by name: compile it against the compiled one.
             occlusion = numba.njit(_OCCLUSION_SIG, nogil=True, cache=cache)(
                 _with_globals(occlusion_batch_int8, _select=select)
             )
+            _step(stop)
             out_mask = numba.njit(_OUT_MASK_SIG, nogil=True, cache=cache)(input_out_mask)
+        except KernelsStopped:
+            raise
         except Exception as exc:  # noqa: BLE001 - numba raises many kinds: all mean numpy
             if cache:
                 log.info("numba cannot cache the kernels (%s): compiling without a cache", exc)

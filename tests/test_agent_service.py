@@ -71,6 +71,15 @@ def run_agent(cfg: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     )
 
 
+def sigterm(proc: subprocess.Popen[str], log: Lines) -> tuple[float, str, str]:
+    """SIGTERM to the agent; the seconds it took to exit, its stdout and its stderr."""
+    assert proc.stdout is not None
+    term = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=10)
+    return time.monotonic() - term, proc.stdout.read(), log.text()
+
+
 def test_sigterm_drains_within_5s_and_memory_keeps_every_decision(tmp_path: Path) -> None:
     port, channel = free_port(), f"svc-{uuid.uuid4().hex[:8]}"
     cfg = write_config(tmp_path, port, channel)
@@ -83,7 +92,6 @@ def test_sigterm_drains_within_5s_and_memory_keeps_every_decision(tmp_path: Path
         started = time.monotonic()
         proc = run_agent(cfg, env)
         assert proc.stderr is not None
-        assert proc.stdout is not None
         log = Lines(proc.stderr)
         try:
             ready = notes.wait_for("READY=1", timeout=20)
@@ -96,11 +104,7 @@ def test_sigterm_drains_within_5s_and_memory_keeps_every_decision(tmp_path: Path
             pings = notes.times_of("WATCHDOG=1", since=ready)
             assert len(pings) >= 4, notes.messages
             assert not notes.times_of("WATCHDOG=1", until=ready)
-            term = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=10)
-            took = time.monotonic() - term
-            out, err = proc.stdout.read(), log.text()
+            took, out, err = sigterm(proc, log)
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -138,16 +142,11 @@ def test_sigterm_during_a_cold_kernel_compile_does_not_wait_for_it(tmp_path: Pat
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
     proc = run_agent(cfg, env)
     assert proc.stderr is not None
-    assert proc.stdout is not None
     log = Lines(proc.stderr)
     try:
         log.wait_for("ready: ", timeout=20)
         time.sleep(0.3)
-        term = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=10)
-        took = time.monotonic() - term
-        out, err = proc.stdout.read(), log.text()
+        took, out, err = sigterm(proc, log)
     finally:
         if proc.poll() is None:
             proc.kill()

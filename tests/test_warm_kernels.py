@@ -19,7 +19,7 @@ from drivers.sim.plant import parse_anomaly
 from edge_agent.reasoning import ReasoningStage
 from edge_agent.rules import RuleSet
 from edge_agent.simwindows import plant_windows
-from edge_agent.warm import check_windows, disagreement, in_daemon_thread, load_kernels
+from edge_agent.warm import check_windows, disagreement, in_thread, load_kernels
 from models import load_model
 from models.input_stats import STAT_NAMES
 from models.kernels import Kernels, kernels
@@ -106,23 +106,27 @@ def test_a_model_swapped_in_meanwhile_is_left_as_it_was_loaded() -> None:
 # -- the load does not hold up the exit ------------------------------------------------------
 
 EXIT_WHILE_LOADING = """
-import asyncio, threading
-from edge_agent.warm import in_daemon_thread
+import asyncio, sys, threading
+from edge_agent.warm import in_thread
 
-never = threading.Event()
+def load(stop: threading.Event) -> None:
+    while not stop.wait(0.01):  # a load that ends only when asked (between its steps)
+        pass
+    print("stopped", file=sys.stderr, flush=True)
 
 async def main() -> None:
-    task = asyncio.create_task(in_daemon_thread(never.wait, "stuck"))
+    task = asyncio.create_task(in_thread(load, "stuck"))
     await asyncio.sleep(0.05)
     task.cancel()
 
 asyncio.run(main())
-print("exited")
+print("exited", flush=True)
 """
 
 
-def test_the_process_exits_without_waiting_for_a_load_in_progress() -> None:
-    # asyncio.to_thread here would never return: asyncio.run joins its executor's threads.
+def test_a_load_in_progress_is_stopped_when_its_task_is_cancelled() -> None:
+    # asyncio.to_thread here would never return: asyncio.run joins its executor's threads,
+    # and nothing would tell the load to stop.
     done = subprocess.run(
         [sys.executable, "-c", EXIT_WHILE_LOADING],
         capture_output=True,
@@ -131,14 +135,44 @@ def test_the_process_exits_without_waiting_for_a_load_in_progress() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "exited"
+    # The load saw its stop; the process then left (its exit joined the load's thread).
+    assert done.stdout.split() == ["exited"]
+    assert done.stderr.split() == ["stopped"]
 
 
-def test_a_daemon_thread_hands_back_its_value_and_its_error() -> None:
+STOPPED_LOAD = """
+import threading
+from models.errors import KernelsStopped
+from models.kernels import kernels
+
+stop = threading.Event()
+stop.set()
+try:
+    kernels(stop)
+except KernelsStopped:
+    print("stopped")
+print("loaded" if kernels() is not None else "none")
+"""
+
+
+def test_the_kernels_stop_between_compile_steps_and_load_again_later() -> None:
+    # In a process of its own: this one has its kernels loaded already.
+    done = subprocess.run(
+        [sys.executable, "-c", STOPPED_LOAD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["stopped", "loaded"], "a stopped load records nothing"
+
+
+def test_a_load_thread_hands_back_its_value_and_its_error() -> None:
     async def both() -> tuple[int, str]:
-        value = await in_daemon_thread(lambda: 6 * 7, "value")
+        value = await in_thread(lambda _stop: 6 * 7, "value")
         try:
-            await in_daemon_thread(lambda: int("x"), "error")
+            await in_thread(lambda _stop: int("x"), "error")
         except ValueError as exc:
             return value, str(exc)
         return value, ""
