@@ -8,6 +8,7 @@ own HTTP server. The one fake is a model wrapper that only delays or blocks ``pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,23 +54,22 @@ def write_config(tmp_path: Path, port: int, channel: str, extra: str = "") -> Pa
 # -- systemd: READY, WATCHDOG, STOPPING; SIGTERM drains within 5 s ------------------------------
 
 
-def run_agent(cfg: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "edge_agent.cli",
-            "run",
-            "-c",
-            str(cfg),
-            "--simulate",
-            "--status-json",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+@contextlib.contextmanager
+def running_agent(cfg: Path, env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], Lines]]:
+    """``edge-agent run --simulate --status-json`` on ``cfg``, its stderr read as it comes;
+    killed on the way out if a failed assertion left it running."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edge_agent.cli", "run", "-c", str(cfg), "--simulate",
+         "--status-json"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    try:
+        yield proc, Lines(proc.stderr)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def sigterm(proc: subprocess.Popen[str], log: Lines) -> tuple[float, str, str]:
@@ -90,10 +91,7 @@ def test_sigterm_drains_within_5s_and_memory_keeps_every_decision(tmp_path: Path
     }
     with notify_socket(tmp_path) as notes:
         started = time.monotonic()
-        proc = run_agent(cfg, env)
-        assert proc.stderr is not None
-        log = Lines(proc.stderr)
-        try:
+        with running_agent(cfg, env) as (proc, log):
             ready = notes.wait_for("READY=1", timeout=20)
             assert ready - started < 20
             # numba's kernels load after READY (edge_agent.warm): in a fresh checkout that
@@ -105,10 +103,6 @@ def test_sigterm_drains_within_5s_and_memory_keeps_every_decision(tmp_path: Path
             assert len(pings) >= 4, notes.messages
             assert not notes.times_of("WATCHDOG=1", until=ready)
             took, out, err = sigterm(proc, log)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
         assert proc.returncode == 0, err[-3000:]
         assert took < 5.0, f"shutdown took {took:.2f} s"
         notes.wait_for("STOPPING=1", timeout=1)
@@ -140,17 +134,10 @@ def test_sigterm_during_a_cold_kernel_compile_does_not_wait_for_it(tmp_path: Pat
     port, channel = free_port(), f"svc-{uuid.uuid4().hex[:8]}"
     cfg = write_config(tmp_path, port, channel)
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
-    proc = run_agent(cfg, env)
-    assert proc.stderr is not None
-    log = Lines(proc.stderr)
-    try:
+    with running_agent(cfg, env) as (proc, log):
         log.wait_for("ready: ", timeout=20)
         time.sleep(0.3)
         took, out, err = sigterm(proc, log)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, err[-3000:]
     assert took < 5.0, f"shutdown took {took:.2f} s"
     assert "features compiled" not in err, "the compile finished first: the case was not run"

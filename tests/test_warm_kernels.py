@@ -105,6 +105,14 @@ def test_a_model_swapped_in_meanwhile_is_left_as_it_was_loaded() -> None:
 
 # -- the load does not hold up the exit ------------------------------------------------------
 
+
+def _python(code: str, *, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a Python process of its own (its exit is what these cases watch)."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
 EXIT_WHILE_LOADING = """
 import asyncio, sys, threading
 from edge_agent.warm import in_thread
@@ -127,13 +135,7 @@ print("exited", flush=True)
 def test_a_load_in_progress_is_stopped_when_its_task_is_cancelled() -> None:
     # asyncio.to_thread here would never return: asyncio.run joins its executor's threads,
     # and nothing would tell the load to stop.
-    done = subprocess.run(
-        [sys.executable, "-c", EXIT_WHILE_LOADING],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    done = _python(EXIT_WHILE_LOADING, timeout=30)
     assert done.returncode == 0, done.stderr[-2000:]
     # The load saw its stop; the process then left (its exit joined the load's thread).
     assert done.stdout.split() == ["exited"]
@@ -157,13 +159,7 @@ print("loaded" if kernels() is not None else "none")
 
 def test_the_kernels_stop_between_compile_steps_and_load_again_later() -> None:
     # In a process of its own: this one has its kernels loaded already.
-    done = subprocess.run(
-        [sys.executable, "-c", STOPPED_LOAD],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = _python(STOPPED_LOAD, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["stopped", "loaded"], "a stopped load records nothing"
 
