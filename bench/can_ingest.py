@@ -13,7 +13,8 @@ signal ``T_NS``); the others are 4-signal Intel, Motorola and multiplexed extend
 frames (``bench/data/can_ingest.dbc``). Both processes read the same CLOCK_REALTIME, so
 
 * ``p50_us``/``p99_us``: sample arrival stamp minus the sender's clock: the time from
-  ``bus.send`` to our ``recv`` returning (UDP over ``lo`` + python-can unpacking);
+  ``bus.send`` to the frame's arrival in our socket (UDP over ``lo``; the reader keeps the
+  kernel's receive stamp, :mod:`drivers.can.reader`);
 * ``delivery_p50_us``/``delivery_p99_us``: when the consumer drained the sample minus the
   sender's clock: adds decoding, batching (<= 2 ms) and the loop wake-up;
 * ``drops``: samples the buffer dropped plus frames sent but never received;

@@ -65,6 +65,8 @@ Keys (``--json``: one object on the last line):
 
 * ``cpu_by_thread_pct`` / ``bare_cpu_by_thread_pct``: CPU % of one core per thread over
   the interval, from ``/proc/PID/task`` (the agent names its threads in the kernel);
+  ``spin_cpu_pct``: of the agent's, the share its gate scheduler spent spinning before each
+  opening (the status's ``gates.spin_cpu_pct``, over the whole run);
 * ``load1_before``, ``quiet``: the 1-minute load average before the run, and whether the
   run was quiet (load <= 1.0 and <= 1 host stall/s while the bare baseline ran); a noisy
   run says so in ``notes``.
@@ -481,6 +483,7 @@ def figures(agent: AgentRun, bare_run: BareRun, notes: list[str]) -> dict[str, A
         if bare_run.interval.cpu_pct > 0
         else None,
         "cpu_by_thread_pct": iv.threads_pct,
+        "spin_cpu_pct": status_get(status, "gates", "spin_cpu_pct"),
         "bare_cpu_by_thread_pct": bare_run.interval.threads_pct,
         "host_stalls_per_s": round(iv.host_stalls_per_s, 2),
         "bare_host_stalls_per_s": round(bare_run.interval.host_stalls_per_s, 2),

@@ -86,7 +86,9 @@ def test_frames_become_samples_stamped_on_arrival() -> None:
     assert [s.value for s in samples] == pytest.approx(
         [1500.25, -12.0, 3.0, -100.5, 12.34, -3.5, 13.75]
     )
-    assert all(before <= s.t_ns <= after for s in samples)
+    # The virtual bus stamps each frame with time.time() as it is sent: float seconds, so
+    # a stamp may read up to ~0.3 us below the integer clock read just before.
+    assert all(before - 1_000 <= s.t_ns <= after for s in samples)
     # One stamp per frame, taken at arrival: the two frames' samples differ, a frame's agree.
     assert len({s.t_ns for s in samples[:4]}) == 1
     assert len({s.t_ns for s in samples[4:]}) == 1
@@ -102,6 +104,44 @@ def test_frames_become_samples_stamped_on_arrival() -> None:
     assert stats["samples"] == 7
     assert stats["bus_errors"] == 0
     assert stats["state"] == "stopped"
+
+
+def test_the_bus_stamp_is_kept_when_on_the_wall_clock_else_replaced_on_arrival() -> None:
+    """SocketCAN and udp_multicast stamp a frame with the kernel's receive time: that is the
+    sample's stamp, even when the reader takes the frame later. A stamp that is not on the
+    wall clock (an adapter's own counter) or lies in the future is replaced by the arrival
+    time, and the frames after it are still read."""
+    channel = f"test-{uuid.uuid4()}"
+
+    async def main() -> tuple[list[Sample], int, int, float]:
+        source = CanSource(virtual_spec(channel))
+        sink = SampleBuffer(1000)
+        task = asyncio.create_task(source.run(sink))
+        await wait_until(lambda: source.stats()["state"] == "open", 5, "bus open")
+        # preserve_timestamps: the virtual bus delivers the sender's stamp, as a kernel would
+        # its own receive time.
+        with can.Bus(interface="virtual", channel=channel, preserve_timestamps=True) as tx:
+            before = time.time_ns()
+            received_at = (before - 300_000_000) / 1e9  # the kernel took it 300 ms ago
+            for stamp in (received_at, 12.5, (before + 5_000_000_000) / 1e9, received_at):
+                tx.send(
+                    can.Message(
+                        arbitration_id=0x100, data=ENGINE, is_extended_id=False, timestamp=stamp
+                    )
+                )
+            await wait_until(lambda: len(sink) == 16, 5, "16 samples")
+            after = time.time_ns()
+        samples = sink.drain()
+        await stop(task)
+        return samples, before, after, received_at
+
+    samples, before, after, received_at = asyncio.run(main())
+    assert [s.signal for s in samples] == ["RPM", "ENGINE.TEMP", "GEAR_STATE", "TORQUE"] * 4
+    kept = int(received_at * 1e9)
+    assert {s.t_ns for s in samples[:4]} == {kept}
+    assert {s.t_ns for s in samples[12:]} == {kept}
+    # The adapter's counter (12.5 s) and the stamp 5 s ahead: stamped as they arrived.
+    assert all(before <= s.t_ns <= after for s in samples[4:12])
 
 
 class Adapter:
