@@ -144,6 +144,42 @@ def test_the_bus_stamp_is_kept_when_on_the_wall_clock_else_replaced_on_arrival()
     assert all(before <= s.t_ns <= after for s in samples[4:12])
 
 
+def test_a_stream_is_read_in_bursts_and_a_quiet_bus_in_recv_without_losing_a_frame() -> None:
+    """While frames keep coming the reader sleeps out each batch interval and takes what
+    queued; after a quiet spell it waits in recv again. Every frame of a 1 kHz stream, then
+    of a second one after 150 ms of silence, arrives once, in order, with its own stamp."""
+    channel = f"test-{uuid.uuid4()}"
+
+    async def main() -> tuple[list[Sample], list[int]]:
+        source = CanSource(virtual_spec(channel))
+        sink = SampleBuffer(10_000)
+        task = asyncio.create_task(source.run(sink))
+        await wait_until(lambda: source.stats()["state"] == "open", 5, "bus open")
+        sent: list[int] = []
+        with can.Bus(interface="virtual", channel=channel, preserve_timestamps=True) as tx:
+            for count in (300, 20):
+                for _ in range(count):
+                    t_ns = time.time_ns()
+                    sent.append(t_ns)
+                    frame = can.Message(
+                        arbitration_id=0x100,
+                        data=ENGINE,
+                        is_extended_id=False,
+                        timestamp=t_ns / 1e9,
+                    )
+                    tx.send(frame)
+                    await asyncio.sleep(0.001)
+                await asyncio.sleep(0.15)
+            await wait_until(lambda: len(sink) == 4 * len(sent), 5, "every frame's samples")
+        samples = sink.drain()
+        await stop(task)
+        return samples, sent
+
+    samples, sent = asyncio.run(main())
+    rpm = [s.t_ns for s in samples if s.signal == "RPM"]
+    assert rpm == [int(t / 1e9 * 1e9) for t in sent]
+
+
 class Adapter:
     """A USB CAN adapter that can be pulled out: plugged into python-can's virtual bus."""
 
