@@ -279,6 +279,14 @@ class Agent(AgentReporting):
                             tasks.append(tg.create_task(watchdog, name="watchdog"))
                         await stop.wait()
                         self.notifier.stopping()
+                        # The sources first, while the gates go on deciding windows on time:
+                        # a CAN reader takes up to its recv timeout to stop, and the windows
+                        # falling due meanwhile would otherwise all wait for the drain.
+                        sources = tasks[: len(self.sources)]
+                        for task in sources:
+                            task.cancel()
+                        if sources:
+                            await asyncio.wait(sources)
                         for task in tasks:
                             task.cancel()
                 except BaseExceptionGroup as group:

@@ -6,20 +6,24 @@ import json
 import logging
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
+from drivers.buffer import SampleBuffer
 from drivers.sim.plant import parse_anomaly
 from drivers.sim.server import PlantSimulator
 from edge_agent.cli import app
-from edge_agent.compose import build_agent
+from edge_agent.compose import build_agent, build_parts
+from edge_agent.config import parse_config
 from edge_agent.errors import ModelMismatch, ReasoningError
 from edge_agent.perception import Window
 from edge_agent.rules import Decision
+from edge_agent.service import Agent
 from models import load_model
 from models.copies import copy_with_new_sha
-from tests.support.agent import EXAMPLES, example_config, example_text
+from tests.support.agent import EXAMPLES, example_config, example_config_text, example_text
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.peers
@@ -58,6 +62,50 @@ def test_agent_turns_simulated_plant_into_complete_windows() -> None:
     assert isinstance(sources, dict)
     assert sources["drive-modbus"]["samples"] > 0
     assert sources["drive-can"]["samples"] > 0
+
+
+class SlowToStop:
+    """A source that takes 0.6 s to stop once cancelled, as a reader finishing a long recv
+    or a serial port closing can; it delivers nothing."""
+
+    name = "slow-to-stop"
+
+    async def run(self, sink: SampleBuffer) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.6)
+            raise
+
+    def stats(self) -> dict[str, int]:
+        return {"up": 1}
+
+
+def test_windows_falling_due_while_the_sources_stop_are_decided_on_time() -> None:
+    """On stop the sources end first while the gates go on: the windows falling due while a
+    source takes its time are decided as they close, not all at once in the final drain."""
+    port, channel = free_port(), f"svc-{uuid.uuid4().hex[:8]}"
+    text = example_config_text(port, channel).replace("# hop = 64", "hop = 8")
+    cfg = parse_config(text, base_dir=EXAMPLES)
+    decisions: list[Decision] = []
+
+    async def main() -> dict[str, Any]:
+        parts = build_parts(cfg)
+        parts.sources.append(SlowToStop())
+        agent = Agent(parts, on_decision=decisions.append)
+        stop = asyncio.Event()
+        async with PlantSimulator(seed=3, modbus_port=port, can_channel=channel):
+            asyncio.get_running_loop().call_later(2.0, stop.set)
+            await agent.run(stop)
+        return agent.status()
+
+    status = asyncio.run(main())
+    # 2.6 s at one window per 80 ms: the stop's 0.6 s holds ~7 of them.
+    assert len(decisions) == status["windows"] >= 25
+    e2e = status["latency_us"]["e2e"]
+    assert e2e["n"] == len(decisions)
+    # Decided in the drain they would wait up to the whole 0.6 s.
+    assert e2e["max"] < 200_000, e2e
 
 
 class Collect(logging.Handler):

@@ -27,15 +27,19 @@ def example_text() -> str:
     )
 
 
-def example_config(port: int, channel: str) -> AgentConfig:
-    """The example config reading the simulator's Modbus server on ``port`` and its virtual
-    CAN ``channel``, status every 0.5 s."""
+def example_config_text(port: int, channel: str) -> str:
+    """The example config's text reading the simulator's Modbus server on ``port`` and its
+    virtual CAN ``channel``, status every 0.5 s (parse it with ``base_dir=EXAMPLES``)."""
     text = example_text()
     text = text.replace("port = 15020", f"port = {port}").replace(
         'channel = "edgefleet-demo"', f'channel = "{channel}"'
     )
-    text = text.replace("stats_interval_s = 2.0", "stats_interval_s = 0.5")
-    return parse_config(text, base_dir=EXAMPLES)
+    return text.replace("stats_interval_s = 2.0", "stats_interval_s = 0.5")
+
+
+def example_config(port: int, channel: str) -> AgentConfig:
+    """:func:`example_config_text`, parsed."""
+    return parse_config(example_config_text(port, channel), base_dir=EXAMPLES)
 
 
 class Datagrams:
