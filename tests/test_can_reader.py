@@ -1,6 +1,7 @@
 """CanSource over python-can's in-process virtual bus, and over a bus that vanishes."""
 
 import asyncio
+import socket
 import struct
 import threading
 import time
@@ -12,7 +13,7 @@ import can.interfaces.virtual
 import pytest
 
 from drivers.buffer import SampleBuffer
-from drivers.can.reader import CanSource
+from drivers.can.reader import RECEIVE_BUFFER_BYTES, CanSource, widen_receive_buffer
 from drivers.errors import CanError, DriverConfigError
 from drivers.sample import Sample
 from drivers.specs import CanSpec
@@ -178,6 +179,59 @@ def test_a_stream_is_read_in_bursts_and_a_quiet_bus_in_recv_without_losing_a_fra
     samples, sent = asyncio.run(main())
     rpm = [s.t_ns for s in samples if s.signal == "RPM"]
     assert rpm == [int(t / 1e9 * 1e9) for t in sent]
+
+
+class SocketBus(can.BusABC):
+    """A bus over a UDP socket on the loopback, as SocketCAN and udp_multicast are sockets."""
+
+    def __init__(self, rcvbuf: int | None = None) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        if rcvbuf is not None:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.bind(("127.0.0.1", 0))
+        super().__init__(channel="udp")
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def _recv_internal(self, timeout: float | None) -> tuple[can.Message | None, bool]:
+        return None, False
+
+    def send(self, msg: can.Message, timeout: float | None = None) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.sock.close()
+
+
+def rcvbuf(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+
+
+def test_a_socket_bus_gets_a_receive_buffer_for_over_100_ms_of_frames() -> None:
+    with open("/proc/sys/net/core/rmem_max") as f:
+        cap = int(f.read())
+    bus = SocketBus(rcvbuf=4096)
+    try:
+        before = rcvbuf(bus.sock)
+        got = widen_receive_buffer(bus)
+        # The kernel doubles what it is asked for (its bookkeeping) and caps at rmem_max.
+        assert got == rcvbuf(bus.sock) == 2 * min(RECEIVE_BUFFER_BYTES, cap) > before
+        # The bus's own socket is still open and usable.
+        bus.sock.sendto(b"x", bus.sock.getsockname())
+        assert bus.sock.recv(8) == b"x"
+    finally:
+        bus.shutdown()
+    # A larger buffer is left as it is; a bus that is not a socket has none to size.
+    big = SocketBus(rcvbuf=min(2 * RECEIVE_BUFFER_BYTES, cap))
+    try:
+        kept = rcvbuf(big.sock)
+        assert widen_receive_buffer(big) == kept
+    finally:
+        big.shutdown()
+    with can.Bus(interface="virtual", channel=f"test-{uuid.uuid4()}") as virtual:
+        assert widen_receive_buffer(virtual) is None
 
 
 class Adapter:

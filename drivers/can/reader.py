@@ -25,7 +25,9 @@ stamped on arrival is read frame by frame, the batch flushed when it is
 """
 
 import logging
+import os
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -52,6 +54,11 @@ MAX_BATCH: Final = 512
 #: reader takes that late was held up in the process, and a stamp this far off is not on
 #: the wall clock.
 BUS_STAMP_MAX_AGE_NS: Final = 2_000_000_000
+#: Receive buffer asked of the kernel for a bus that is a socket (SocketCAN,
+#: udp_multicast): ~1,000 frames, over 100 ms of a saturated bus, so a reader held up by a
+#: stall of the process loses no frame (the default, ~200 KiB, holds 30-40 ms of it). The
+#: kernel caps it at ``net.core.rmem_max``.
+RECEIVE_BUFFER_BYTES: Final = 1 << 20
 #: Longest single ``recv`` wait, whatever ``recv_timeout_ms`` says, so cancellation (which
 #: the thread sees only between ``recv`` calls) completes well within a second.
 MAX_RECV_TIMEOUT_S: Final = 0.25
@@ -85,6 +92,27 @@ def open_bus(spec: CanSpec, factory: BusFactory | None = None) -> can.BusABC:
         ) from exc
     except (can.CanError, OSError) as exc:
         raise CanBusError(f"cannot open {spec.interface} {spec.channel}: {exc}") from exc
+
+
+def widen_receive_buffer(bus: can.BusABC, size: int = RECEIVE_BUFFER_BYTES) -> int | None:
+    """Ask for a ``size`` byte receive buffer on ``bus``'s socket if it has a smaller one;
+    the size the kernel then reports, or None for a bus that is not a socket."""
+    try:
+        fd = bus.fileno()
+    except (NotImplementedError, OSError):
+        return None
+    if not isinstance(fd, int) or fd < 0:
+        return None
+    try:
+        # A duplicate of the descriptor: the options belong to the socket both name, and
+        # closing the duplicate leaves the bus's own open.
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) < size:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+            return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    except OSError as exc:
+        log.info("cannot size the receive buffer of %s: %s", bus.channel_info, exc)
+        return None
 
 
 class CanSource:
@@ -194,7 +222,9 @@ class CanSource:
     # -- reader thread ---------------------------------------------------------------
 
     def _connect(self) -> can.BusABC:
-        return open_bus(self.spec, self._bus_factory)
+        bus = open_bus(self.spec, self._bus_factory)
+        widen_receive_buffer(bus)
+        return bus
 
     def _read_forever(self, sink: SampleBuffer, stop: threading.Event) -> None:
         attempt = 0
