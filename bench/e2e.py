@@ -74,6 +74,9 @@ Keys (``--json``: one object on the last line):
 ``--trace`` runs the agent with ``edge-agent run --trace`` and adds ``trace``
 (:mod:`bench.e2e_trace`): percentiles over the windows decided inside the measured
 interval only (start-up excluded) and what the slowest 1 % of them waited for.
+``--fifo PRIO`` runs the agent and the bare baseline under ``SCHED_FIFO`` at ``PRIO`` (``chrt``;
+root), as the systemd unit's ``CPUSchedulingPolicy=fifo`` would on a device: the peers of
+the bench (sender, Modbus server) stay at normal priority; ``sched`` says which a run used.
 ``--profile DIR`` records the agent with py-spy over the measured interval
 (:mod:`bench.profile`; ``profile``: shares per thread and function; the files stay in DIR).
 
@@ -210,6 +213,12 @@ class Options:
     trace: bool = False
     #: TOML appended to the agent's config (``--config-extra``).
     config_extra: str = ""
+    #: Run the agent and the bare baseline under SCHED_FIFO at this priority (``--fifo``).
+    fifo: int | None = None
+
+    def sched(self, argv: list[str]) -> list[str]:
+        """``argv`` under the run's scheduling policy (``chrt`` execs it in place)."""
+        return argv if self.fifo is None else ["chrt", "--fifo", str(self.fifo), *argv]
 
 
 class Bench:
@@ -365,6 +374,12 @@ class Bench:
         trace_path = self.tmp / "trace.json"
         if self.options.trace:
             argv += ["--trace", str(trace_path)]
+        argv = self.options.sched(argv)
+        if self.options.fifo is not None:
+            self.notes.append(
+                f"agent and bare baseline under SCHED_FIFO priority {self.options.fifo} "
+                "(as firmware/systemd/edge-agent.service's CPUSchedulingPolicy=fifo)"
+            )
         with open(out_path, "w") as out:
             spawned = time.monotonic()
             agent = self.spawn_device(argv, "agent", env=env, stdin=subprocess.DEVNULL, stdout=out)
@@ -427,6 +442,7 @@ class Bench:
         import psutil  # noqa: PLC0415
 
         argv = [*self.me, "--role", "bare", *self.bus_args, "--modbus-port", str(self.load.port)]
+        argv = self.options.sched(argv)
         proc = self.spawn_device(argv, "bare", stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert proc.stdout is not None
         if proc.stdout.readline().strip() != "READY":
@@ -510,6 +526,7 @@ def run_bench(ns: str, tmp: Path, quick: bool, options: Options | None = None) -
         bare_run = bench.bare_phase(measure_s / 2)
     fig = figures(agent, bare_run, bench.notes)
     fig["load1_before"] = round(load1, 2)
+    fig["sched"] = "other" if options is None or options.fifo is None else f"fifo:{options.fifo}"
     fig["quiet"] = bool(load1 <= QUIET_LOAD and fig["bare_host_stalls_per_s"] <= QUIET_STALLS_PER_S)
     if not fig["quiet"]:
         fig["notes"].append(
@@ -590,6 +607,15 @@ def main(argv: list[str] | None = None) -> int:
         help="append TOML to the agent's config, e.g. '[schedule]\\nspin_us = 50' "
         "(repeatable): to measure what a setting changes; the run says so in its notes",
     )
+    parser.add_argument(
+        "--fifo",
+        type=int,
+        choices=range(1, 100),
+        metavar="PRIO",
+        help="run the agent and the bare baseline under SCHED_FIFO at PRIO (1-99), as the "
+        "systemd unit's commented CPUSchedulingPolicy=fifo would on a device; 'sched' says "
+        "which policy a run used",
+    )
     parser.add_argument("--role", choices=("modbus", "sender", "bare"), help=argparse.SUPPRESS)
     parser.add_argument("--bus", action="append", type=_bus, default=[], help=argparse.SUPPRESS)
     parser.add_argument("--origin", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -600,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.role is None:
         if args.profile is not None:
             args.profile.mkdir(parents=True, exist_ok=True)
-        options = Options(args.profile, args.trace, "\n".join(args.config_extra))
+        options = Options(args.profile, args.trace, "\n".join(args.config_extra), args.fifo)
         return orchestrate(args.quick, args.json, options)
     if args.role == "modbus":
         asyncio.run(serve_modbus(args.start_at))
