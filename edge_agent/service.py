@@ -279,16 +279,7 @@ class Agent(AgentReporting):
                             tasks.append(tg.create_task(watchdog, name="watchdog"))
                         await stop.wait()
                         self.notifier.stopping()
-                        # The sources first, while the gates go on deciding windows on time:
-                        # a CAN reader takes up to its recv timeout to stop, and the windows
-                        # falling due meanwhile would otherwise all wait for the drain.
-                        sources = tasks[: len(self.sources)]
-                        for task in sources:
-                            task.cancel()
-                        if sources:
-                            await asyncio.wait(sources)
-                        for task in tasks:
-                            task.cancel()
+                        await self._wind_down(tasks[: len(self.sources)], tasks)
                 except BaseExceptionGroup as group:
                     # A task crashed and the group cancelled the others: drain, let the
                     # uplink flush, then raise the crash as it came (not nested in `outer`).
@@ -349,6 +340,18 @@ class Agent(AgentReporting):
             log.exception("reasoning: loading the compiled kernels failed; numpy serves")
 
     # -- sources ----------------------------------------------------------------------------
+
+    @staticmethod
+    async def _wind_down(sources: list[asyncio.Task[None]], tasks: list[asyncio.Task[Any]]) -> None:
+        """Cancel the source tasks and wait for them while the gates go on deciding windows
+        on time, then cancel every task: a CAN reader takes up to its recv timeout to stop,
+        and the windows falling due meanwhile would otherwise all wait for the drain."""
+        for task in sources:
+            task.cancel()
+        if sources:
+            await asyncio.wait(sources)
+        for task in tasks:
+            task.cancel()
 
     async def _keep_running(self, source: Source) -> None:
         health = self.report.sources[source.name]
