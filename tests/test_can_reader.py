@@ -50,14 +50,22 @@ async def stop(task: "asyncio.Task[None]") -> float:
     return time.monotonic() - t0
 
 
+async def running_source(
+    channel: str, maxlen: int = 1000
+) -> tuple[CanSource, SampleBuffer, "asyncio.Task[None]"]:
+    """A CanSource on virtual ``channel`` reading into a new buffer, once its bus is open."""
+    source = CanSource(virtual_spec(channel))
+    sink = SampleBuffer(maxlen)
+    task = asyncio.create_task(source.run(sink))
+    await wait_until(lambda: source.stats()["state"] == "open", 5, "bus open")
+    return source, sink, task
+
+
 def test_frames_become_samples_stamped_on_arrival() -> None:
     channel = f"test-{uuid.uuid4()}"
 
     async def main() -> tuple[list[Sample], CanSource, int, int]:
-        source = CanSource(virtual_spec(channel))
-        sink = SampleBuffer(1000)
-        task = asyncio.create_task(source.run(sink))
-        await wait_until(lambda: source.stats()["state"] == "open", 5, "bus open")
+        source, sink, task = await running_source(channel)
         with can.Bus(interface="virtual", channel=channel) as tx:
             before = time.time_ns()
             tx.send(can.Message(arbitration_id=0x100, data=ENGINE, is_extended_id=False))
@@ -115,10 +123,7 @@ def test_the_bus_stamp_is_kept_when_on_the_wall_clock_else_replaced_on_arrival()
     channel = f"test-{uuid.uuid4()}"
 
     async def main() -> tuple[list[Sample], int, int, float]:
-        source = CanSource(virtual_spec(channel))
-        sink = SampleBuffer(1000)
-        task = asyncio.create_task(source.run(sink))
-        await wait_until(lambda: source.stats()["state"] == "open", 5, "bus open")
+        _, sink, task = await running_source(channel)
         # preserve_timestamps: the virtual bus delivers the sender's stamp, as a kernel would
         # its own receive time.
         with can.Bus(interface="virtual", channel=channel, preserve_timestamps=True) as tx:
@@ -152,10 +157,7 @@ def test_a_stream_is_read_in_bursts_and_a_quiet_bus_in_recv_without_losing_a_fra
     channel = f"test-{uuid.uuid4()}"
 
     async def main() -> tuple[list[Sample], list[int]]:
-        source = CanSource(virtual_spec(channel))
-        sink = SampleBuffer(10_000)
-        task = asyncio.create_task(source.run(sink))
-        await wait_until(lambda: source.stats()["state"] == "open", 5, "bus open")
+        _, sink, task = await running_source(channel, 10_000)
         sent: list[int] = []
         with can.Bus(interface="virtual", channel=channel, preserve_timestamps=True) as tx:
             for count in (300, 20):

@@ -29,21 +29,26 @@ from tests.support.ports import free_port
 pytestmark = pytest.mark.peers
 
 
+async def run_beside_simulator(
+    agent: Agent, seconds: float, port: int | None, channel: str
+) -> dict[str, Any]:
+    """Run ``agent`` for ``seconds`` beside the plant simulator (Modbus on ``port`` unless
+    None, CAN on ``channel``); its status at the end."""
+    stop = asyncio.Event()
+    async with PlantSimulator(seed=3, modbus_port=port, can_channel=channel):
+        asyncio.get_running_loop().call_later(seconds, stop.set)
+        await agent.run(stop)
+    return agent.status()
+
+
 def test_agent_turns_simulated_plant_into_complete_windows() -> None:
     port, channel = free_port(), f"svc-{uuid.uuid4().hex[:8]}"
     cfg = example_config(port, channel)
     seen: list[Window] = []
 
-    async def main() -> dict[str, object]:
-        agent = build_agent(cfg, on_window=seen.append)
-        stop = asyncio.Event()
-        async with PlantSimulator(seed=3, modbus_port=port, can_channel=channel):
-            loop = asyncio.get_running_loop()
-            loop.call_later(3.0, stop.set)
-            await agent.run(stop)
-        return agent.status()
-
-    status = asyncio.run(main())
+    status = asyncio.run(
+        run_beside_simulator(build_agent(cfg, on_window=seen.append), 3.0, port, channel)
+    )
     # 3 s at 100 Hz / 64 points: 4 windows, the first after ~0.66 s.
     assert len(seen) >= 3
     assert status["windows"] == len(seen)
@@ -89,17 +94,10 @@ def test_windows_falling_due_while_the_sources_stop_are_decided_on_time() -> Non
     cfg = parse_config(text, base_dir=EXAMPLES)
     decisions: list[Decision] = []
 
-    async def main() -> dict[str, Any]:
-        parts = build_parts(cfg)
-        parts.sources.append(SlowToStop())
-        agent = Agent(parts, on_decision=decisions.append)
-        stop = asyncio.Event()
-        async with PlantSimulator(seed=3, modbus_port=port, can_channel=channel):
-            asyncio.get_running_loop().call_later(2.0, stop.set)
-            await agent.run(stop)
-        return agent.status()
-
-    status = asyncio.run(main())
+    parts = build_parts(cfg)
+    parts.sources.append(SlowToStop())
+    agent = Agent(parts, on_decision=decisions.append)
+    status = asyncio.run(run_beside_simulator(agent, 2.0, port, channel))
     # 2.6 s at one window per 80 ms: the stop's 0.6 s holds ~7 of them.
     assert len(decisions) == status["windows"] >= 25
     e2e = status["latency_us"]["e2e"]
@@ -266,16 +264,9 @@ def test_a_dead_modbus_port_does_not_stop_can() -> None:
     cfg = example_config(dead_port, channel)
     seen: list[Window] = []
 
-    async def main() -> dict[str, object]:
-        agent = build_agent(cfg, on_window=seen.append)
-        stop = asyncio.Event()
-        # CAN only: nothing listens on the Modbus port.
-        async with PlantSimulator(seed=3, modbus_port=None, can_channel=channel):
-            asyncio.get_running_loop().call_later(2.0, stop.set)
-            await agent.run(stop)
-        return agent.status()
-
-    status = asyncio.run(main())
+    # CAN only: nothing listens on the Modbus port.
+    agent = build_agent(cfg, on_window=seen.append)
+    status = asyncio.run(run_beside_simulator(agent, 2.0, None, channel))
     assert seen, "windows must keep flowing from CAN"
     w = seen[-1]
     stale = dict(zip(w.signals, w.stale.tolist(), strict=True))
