@@ -216,6 +216,11 @@ class Options:
     #: Run the agent and the bare baseline under SCHED_FIFO at this priority (``--fifo``).
     fifo: int | None = None
 
+    @property
+    def policy(self) -> str:
+        """``other`` or ``fifo:PRIO``: how the agent and the bare baseline are scheduled."""
+        return "other" if self.fifo is None else f"fifo:{self.fifo}"
+
     def sched(self, argv: list[str]) -> list[str]:
         """``argv`` under the run's scheduling policy (``chrt`` execs it in place)."""
         return argv if self.fifo is None else ["chrt", "--fifo", str(self.fifo), *argv]
@@ -526,7 +531,7 @@ def run_bench(ns: str, tmp: Path, quick: bool, options: Options | None = None) -
         bare_run = bench.bare_phase(measure_s / 2)
     fig = figures(agent, bare_run, bench.notes)
     fig["load1_before"] = round(load1, 2)
-    fig["sched"] = "other" if options is None or options.fifo is None else f"fifo:{options.fifo}"
+    fig["sched"] = (options or Options()).policy
     fig["quiet"] = bool(load1 <= QUIET_LOAD and fig["bare_host_stalls_per_s"] <= QUIET_STALLS_PER_S)
     if not fig["quiet"]:
         fig["notes"].append(

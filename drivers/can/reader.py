@@ -299,43 +299,38 @@ class CanSource:
                 if self._take(msg, batch):
                     if not flowing:
                         time.sleep(FLUSH_INTERVAL_S)  # the first of a burst: let the rest queue
-                    full = self._take_queued(recv, batch)
+                    full = self._read_into(recv, batch)
                     flowing = True
                 else:
                     flowing = full = False
-                    self._gather(recv, batch, time.monotonic() + FLUSH_INTERVAL_S)
+                    # Stamped on arrival: read frame by frame until the batch is due.
+                    self._read_into(recv, batch, until=time.monotonic() + FLUSH_INTERVAL_S)
                 sink.put_many(batch)
                 batch = []
         finally:
             if batch:
                 sink.put_many(batch)
 
-    def _take_queued(
-        self, recv: Callable[[float], can.Message | None], batch: list[Sample]
+    def _read_into(
+        self,
+        recv: Callable[[float], can.Message | None],
+        batch: list[Sample],
+        until: float | None = None,
     ) -> bool:
-        """Take the frames already queued, without waiting; True if the batch filled first."""
+        """Take the frames already queued (``until`` None) or those that arrive before
+        ``until`` (monotonic) into ``batch``; True if the batch filled first."""
         take = self._take
+        timeout = 0.0
         while len(batch) < MAX_BATCH:
-            msg = recv(0.0)
+            if until is not None:
+                timeout = until - time.monotonic()
+                if timeout <= 0.0:
+                    return False
+            msg = recv(timeout)
             if msg is None:
                 return False
             take(msg, batch)
         return True
-
-    def _gather(
-        self, recv: Callable[[float], can.Message | None], batch: list[Sample], flush_at: float
-    ) -> None:
-        """Frames stamped on arrival: read them one by one until the batch is due."""
-        take = self._take
-        monotonic = time.monotonic
-        while len(batch) < MAX_BATCH:
-            timeout = flush_at - monotonic()
-            if timeout <= 0.0:
-                return
-            msg = recv(timeout)
-            if msg is None:
-                return
-            take(msg, batch)
 
     def _take(self, msg: can.Message, batch: list[Sample]) -> bool:
         """Decode ``msg`` into ``batch``; True if it kept the bus's own stamp."""
