@@ -53,6 +53,9 @@ class Outcome(enum.Enum):
     UNDER = "under"  # the model ran within budget
     OVER = "over"  # the model ran and the stage overran its budget
     SKIPPED = "skipped"  # the model did not run (open breaker): no latency evidence
+    #: the model ran while the agent itself was warming up (its compiled kernels loading
+    #: beside the pipeline): a slow window then says nothing about the model
+    EXCUSED = "excused"
 
 
 #: (state, outcome) -> (next state, what happens to the counters). The counter actions:
@@ -67,6 +70,8 @@ _TRANSITIONS: Mapping[tuple[State, Outcome], tuple[State, str]] = {
     (State.OPEN, Outcome.UNDER): (State.OPEN, "count"),
     (State.OPEN, Outcome.OVER): (State.OPEN, "reset"),
     (State.OPEN, Outcome.SKIPPED): (State.OPEN, "keep"),
+    (State.CLOSED, Outcome.EXCUSED): (State.CLOSED, "keep"),
+    (State.OPEN, Outcome.EXCUSED): (State.OPEN, "keep"),
 }
 
 
@@ -97,6 +102,7 @@ class Breaker:
         self.trips = 0
         self.recoveries = 0
         self.overruns = 0  # total windows over budget, whatever the state
+        self.excused = 0  # of those, the ones run while warming (not fed to the machine)
 
     @property
     def mode(self) -> Mode:
@@ -109,10 +115,12 @@ class Breaker:
             return True
         return self.since_run + 1 >= self.spec.run_every
 
-    def record(self, latency_us: float | None) -> Mode:
+    def record(self, latency_us: float | None, *, warming: bool = False) -> Mode:
         """Report one window: the stage's latency if the model ran, None if it did not.
 
-        Returns the mode for the *next* window.
+        ``warming``: the agent's own start-up work ran beside this window (see
+        :attr:`Outcome.EXCUSED`); an overrun is counted (``overruns``, ``excused``) but
+        neither trips nor holds open the breaker. Returns the mode for the *next* window.
         """
         if (
             self.state is State.CLOSED
@@ -132,6 +140,9 @@ class Breaker:
             outcome = Outcome.OVER if over else Outcome.UNDER
             self.overruns += over
             self.since_run = 0
+            if warming and over:
+                outcome = Outcome.EXCUSED
+                self.excused += 1
         state, action = _TRANSITIONS[(self.state, outcome)]
         if action == "reset":
             self.streak = 0
@@ -155,6 +166,7 @@ class Breaker:
             "trips": self.trips,
             "recoveries": self.recoveries,
             "overruns": self.overruns,
+            "excused": self.excused,
             "budget_us": self.spec.budget_us,
         }
 

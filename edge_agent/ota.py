@@ -30,6 +30,7 @@ from edge_agent.config import parse_config
 from edge_agent.errors import AgentError, ConfigError, ReasoningError, SelfTestFailed
 from edge_agent.ota_config import ota_dir
 from edge_agent.probe import parse_probe
+from edge_agent.warm import precompile_slot
 from firmware.boot import ENV_SLOT, parse_slot_env
 from firmware.errors import RollbackUnavailable
 from firmware.slots import Slots
@@ -76,6 +77,8 @@ class AgentPort(Protocol):
 
     config: AgentConfig
     clock_ns: Callable[[], int]
+    #: set once READY and the compiled kernels serve (what a probation waits for)
+    settled: asyncio.Event
 
     @property
     def stage(self) -> ReasoningStage | None: ...
@@ -240,6 +243,7 @@ class AgentOta:
             self._task = asyncio.get_running_loop().create_task(coro, name="ota:probation")
             up = self.updater.journal.update
             self._task_bundle = up.bundle_id if up is not None else ""
+            self._task.add_done_callback(functools.partial(self._finished, self._task_bundle))
         else:
             outcome = await self.updater.recover(running_agent_version=running)
             if outcome is not None:
@@ -311,6 +315,12 @@ class AgentOta:
         try:
             slots = self.slots()
             slot = slots.install_wheel(tmp, version=target.version, sha256=sha)
+            if self.agent.config.reasoning.jit is not False:
+                why = precompile_slot(slots.slot_dir(slot))
+                if why:
+                    log.warning(
+                        "ota: agent %s compiles its kernels at start: %s", target.version, why
+                    )
             slots.activate(slot)
         finally:
             tmp.unlink(missing_ok=True)
@@ -324,7 +334,12 @@ class AgentOta:
         up = self.updater.journal.update
         kind = installed.kind if installed is not None else (up.kind if up else "model")
         if kind == "agent":
-            return await asyncio.to_thread(self._restore_agent, installed, up.reason if up else "")
+            want = await asyncio.to_thread(self._restore_agent, installed, up.reason if up else "")
+            if want is None:
+                return True
+            # On the loop: the restart is a timer on it (a worker thread has no loop).
+            self.agent.request_restart(f"rolling back to {want}")
+            return False
         if kind == "config":
             if installed is None:
                 await self._swap_config(self._factory_config)
@@ -363,15 +378,15 @@ class AgentOta:
         self.serving_model = want
         return True
 
-    def _restore_agent(self, installed: Installed | None, reason: str) -> bool:
-        """Point the slots back at ``installed`` (None: the base install). True when that
-        is already what runs (the launcher fell back by itself), False when a restart is
-        needed to get there."""
+    def _restore_agent(self, installed: Installed | None, reason: str) -> str | None:
+        """Point the slots back at ``installed`` (None: the base install). None when that
+        is already what runs (the launcher fell back by itself), else the version (or
+        ``base``) a restart must bring up. Runs in a thread: file work only."""
         slots = self.slots()
         running = os.environ.get(ENV_SLOT, "base")
         want = "base" if installed is None else installed.version
         if running.partition(":")[2] == want or (want == "base" and running == "base"):
-            return True
+            return None
         why = reason or "probation failed"
         if installed is None:
             slots.fall_back_to_base(why)
@@ -380,8 +395,7 @@ class AgentOta:
                 slots.rollback(why)
             except RollbackUnavailable as exc:
                 raise ActivationError(str(exc)) from None
-        self.agent.request_restart(f"rolling back to {want}")
-        return False
+        return want
 
     async def _bundle_config(self, inst: Installed, store: ContentStore) -> AgentConfig:
         data = await asyncio.to_thread(store.read, inst.payloads["agent.toml"], max_bytes=1 << 20)
@@ -444,6 +458,9 @@ class AgentOta:
         stage = self.agent.stage
         lat = list(stage.stats.reasoning_us)[-1000:] if stage is not None else []
         return Baseline(_quantile(lat, 0.5), self.agent.rss_bytes(), _quantile(lat, 0.99))
+
+    async def settled(self) -> None:
+        await self.agent.settled.wait()
 
     def begin_observing(self) -> None:
         self._latencies.clear()

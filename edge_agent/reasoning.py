@@ -223,6 +223,9 @@ class ReasoningStage:
         )
         self.rules = rules
         self.breaker = Breaker(breaker or BreakerSpec())
+        #: Set by the agent while its own start-up work (the compiled kernels loading after
+        #: READY) runs beside the pipeline: overruns then do not feed the breaker.
+        self.warming = False
         self.timer = timer
         self.stats = StageStats()
         #: Checks a model's input contract against the agent's config in prepare() (None:
@@ -475,7 +478,7 @@ class ReasoningStage:
         else:
             alarms, raised, cleared = tracker.update(levels)
         elapsed_us = (self.timer() - t0) / 1000.0
-        breaker.record(elapsed_us if ran else None)
+        breaker.record(elapsed_us if ran else None, warming=self.warming)
 
         st = self.stats
         st.decisions += 1

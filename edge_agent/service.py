@@ -169,6 +169,11 @@ class Agent(AgentReporting):
         #: Runs once the compiled kernels serve (loaded after READY: edge_agent.warm); the
         #: CLI keeps what numba built out of the garbage collector's scans.
         self.on_kernels_loaded: Callable[[], None] = lambda: None
+        #: Set once the agent runs as it will from now on: READY, and the compiled kernels
+        #: serving (or not to be loaded). Until then the stage is ``warming``.
+        self.settled = asyncio.Event()
+        if self.stage is not None and self._kernels_pending():
+            self.stage.warming = True
         self._stop: asyncio.Event | None = None
         self.loop_name = "-"
         up = parts.uplink
@@ -328,16 +333,24 @@ class Agent(AgentReporting):
             log.info("ready: %d source(s) up after %.2f s", len(up), self.ready_s)
         await self._kernels_after_ready()
 
+    def _kernels_pending(self) -> bool:
+        stage = self.stage
+        return stage is not None and self.config.reasoning.jit is None and not stage.model_jit
+
     async def _kernels_after_ready(self) -> None:
         """With ``jit = "auto"`` the model started on numpy (see :func:`build_stage`): load,
-        check and switch to the compiled kernels now (:mod:`edge_agent.warm`)."""
+        check and switch to the compiled kernels now (:mod:`edge_agent.warm`); the agent
+        is :attr:`settled` after that."""
         stage = self.stage
-        if stage is None or self.config.reasoning.jit is not None or stage.model_jit:
-            return
         try:
-            await load_kernels(stage, self.on_kernels_loaded)
+            if stage is not None and self._kernels_pending():
+                await load_kernels(stage, self.on_kernels_loaded)
         except Exception:  # the numpy path serves on: a failed load must not stop it
             log.exception("reasoning: loading the compiled kernels failed; numpy serves")
+        finally:
+            if stage is not None:
+                stage.warming = False
+            self.settled.set()
 
     # -- sources ----------------------------------------------------------------------------
 

@@ -23,9 +23,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
@@ -140,4 +143,48 @@ async def load_kernels(stage: ReasoningStage, on_loaded: Callable[[], None]) -> 
     return True
 
 
-__all__ = ["check_windows", "disagreement", "in_thread", "load_kernels"]
+#: Longest a new agent build may spend compiling its kernels at install (a cold compile is
+#: ~3 s of CPU on a gateway, minutes under emulation); past it, the build compiles them
+#: after its first READY instead, as without this step.
+PRECOMPILE_TIMEOUT_S = 120.0
+
+# Runs in a child interpreter started with -P: the slot directory (argv[1]) first on
+# sys.path, as the launcher's bootstrap puts it (firmware.boot), so it is the new build's
+# kernels that compile, into the numba cache next to the slot's own source.
+_PRECOMPILE = (
+    "import sys\n"
+    "sys.path.insert(0, sys.argv[1])\n"
+    "from models.kernels import kernels, unavailable_reason\n"
+    "sys.exit(0 if kernels() is not None else unavailable_reason() or 1)\n"
+)
+
+
+def precompile_slot(slot_dir: Path, timeout_s: float = PRECOMPILE_TIMEOUT_S) -> str:
+    """Compile a new agent build's kernels into its slot before it is started; why not
+    ("" when done). Blocking: run it in a thread.
+
+    numba caches a compiled kernel beside its source file, so the first start of a build in
+    a new slot would compile them cold, after READY, beside its first windows: seconds of
+    CPU and tens of MiB that an OTA probation would charge to the new build (its memory
+    rule compares with the old build, which loaded its kernels from the cache). Compiled
+    here, in a child process that gives its memory back, the new build starts as the old
+    one did. A failure changes nothing but that: the build then compiles at its start."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-P", "-c", _PRECOMPILE, str(slot_dir)],
+            capture_output=True,
+            timeout=timeout_s,
+            check=False,
+            cwd=slot_dir,
+        )
+    except subprocess.TimeoutExpired:
+        return f"the compile took over {timeout_s:.0f} s"
+    except OSError as exc:
+        return f"cannot start {sys.executable}: {exc.strerror or exc}"
+    if done.returncode == 0:
+        return ""
+    tail = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:]
+    return tail[0][:300] if tail else f"exit code {done.returncode}"
+
+
+__all__ = ["check_windows", "disagreement", "in_thread", "load_kernels", "precompile_slot"]

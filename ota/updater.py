@@ -62,6 +62,11 @@ class Activator(Protocol):
 
     def baseline(self) -> Baseline: ...
 
+    async def settled(self) -> None:
+        """Return once the agent runs as it will from now on (an agent that has just
+        restarted into a new build is still starting up)."""
+        ...
+
     def begin_observing(self) -> None: ...
 
     def observe(self) -> Observation: ...
@@ -206,7 +211,7 @@ class Updater:
             self._go("committed", reason="commit finished after a restart")
             return Outcome("committed", "commit finished after a restart")
         if action == "continue_probation":
-            return await self._probation(self._limits())
+            return await self._guarded(self._probation(self._limits()))
         # rollback / finish_rollback
         if self.journal.state == "activating":
             self._go("activation_failed", reason=why)
@@ -371,6 +376,7 @@ class Updater:
             up.baseline_rss if up else None,
             up.baseline_p99_us if up else None,
         )
+        await self._settle(limits)
         self.activator.begin_observing()
         started = self.clock()
         health_ok = health_failed = streak = 0
@@ -424,6 +430,20 @@ class Updater:
         self._go("committed", reason=why, detail=figures)
         await asyncio.to_thread(self.store.gc, self.journal.payloads_in_use())
         return Outcome("committed", why)
+
+    async def _settle(self, limits: Probation) -> None:
+        """Wait, at most the probation's own length, for the agent to have settled: the
+        probation judges the version as it runs, not the start-up of the process an agent
+        build restarted into (its first windows share the CPU with loading the compiled
+        kernels, and at a few windows a second that start-up is much of a short
+        probation)."""
+        try:
+            async with asyncio.timeout(max(1, limits.seconds)):
+                await self.activator.settled()
+        except TimeoutError:
+            log.info(
+                "ota: the agent is still starting up after %d s; probation starts", limits.seconds
+            )
 
     async def _rollback(self, why: str) -> Outcome:
         up = self.journal.update

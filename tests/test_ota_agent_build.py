@@ -78,17 +78,26 @@ def _status(api: int) -> dict[str, Any] | None:
 
 
 def _wait_status(
-    api: int, proc: subprocess.Popen[bytes], pred: Any, timeout: float
+    api: int, proc: subprocess.Popen[bytes], pred: Any, timeout: float, log: Path
 ) -> dict[str, Any]:
+    """The agent's first status that satisfies ``pred``; on failure, say why with the last
+    status seen and the end of the agent's log."""
     deadline = time.monotonic() + timeout
+    last: dict[str, Any] | None = None
     while time.monotonic() < deadline:
         st = _status(api)
-        if st is not None and pred(st):
-            return st
-        if proc.poll() is not None and st is None:
-            raise AssertionError(f"agent exited with {proc.returncode}")
+        if st is not None:
+            if pred(st):
+                return st
+            last = st
+        elif proc.poll() is not None:
+            why = f"agent exited with {proc.returncode}"
+            break
         time.sleep(0.2)
-    raise AssertionError("timed out waiting for the agent's status")
+    else:
+        why = f"timed out after {timeout} s waiting for the agent's status"
+    ota = None if last is None else last.get("ota")
+    raise AssertionError(f"{why}; last ota status {ota}; log:\n{log.read_text()[-4000:]}")
 
 
 def _install(api: int, bundle: Path) -> tuple[int, dict[str, Any]]:
@@ -105,15 +114,22 @@ def _install(api: int, bundle: Path) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read())
 
 
-def _agent_bundle(signer: Signer, tmp: Path, wheel: Path, version: str, counter: int) -> Path:
+def _agent_bundle(
+    signer: Signer, tmp: Path, wheel: Path, version: str, counter: int, **limits: int
+) -> Path:
     return signer.bundle(
         tmp / f"agent-{version}.efb",
         [(wheel.name, wheel.read_bytes())],
         kind="agent",
         version=version,
         counter=counter,
-        probation={"seconds": 3, "min_windows": 2},
+        probation={"seconds": 3, "min_windows": 2, **limits},
     )
+
+
+def _compiled_kernels(slot: Path) -> list[Path]:
+    """numba's cache of the build's kernels, beside the slot's own models/kernels.py."""
+    return sorted((slot / "models" / "__pycache__").glob("kernels.*.nbi"))
 
 
 def test_a_new_agent_build_installs_restarts_into_its_slot_and_commits(
@@ -127,7 +143,7 @@ def test_a_new_agent_build_installs_restarts_into_its_slot_and_commits(
     log = tmp_path / "agent.log"
     proc = _start(cfg, slots, log)
     try:
-        _wait_status(api, proc, lambda s: s["windows"] >= 2, 60)
+        _wait_status(api, proc, lambda s: s["windows"] >= 2, 60, log)
         code, outcome = _install(api, bundle)
         assert code == 202, outcome
         assert outcome["result"] == "restart"
@@ -135,10 +151,12 @@ def test_a_new_agent_build_installs_restarts_into_its_slot_and_commits(
         state = Slots(slots).load()
         assert state.active is not None
         assert state.slot(state.active).status == "trying"
+        # Its kernels were compiled at install: its first start loads them like any other.
+        assert _compiled_kernels(slots / state.active), list((slots / state.active).iterdir())
         # systemd starts it again: the launcher runs the new slot; its probation commits.
         proc = _start(cfg, slots, log)
         st = _wait_status(
-            api, proc, lambda s: (s["ota"].get("last") or {}).get("result") == "committed", 90
+            api, proc, lambda s: (s["ota"].get("last") or {}).get("result") == "committed", 90, log
         )
         assert st["ota"]["active"]["agent"]["version"] == "0.1.1"
         assert st["ota"]["state"] == "idle"
@@ -164,7 +182,7 @@ def test_a_crash_looping_build_gives_way_after_max_boots_and_is_reported_rolled_
     log = tmp_path / "agent.log"
     proc = _start(cfg, slots, log)
     try:
-        _wait_status(api, proc, lambda s: s["windows"] >= 2, 60)
+        _wait_status(api, proc, lambda s: s["windows"] >= 2, 60, log)
         code, _ = _install(api, bundle)
         assert code == 202
         assert proc.wait(30) == 3
@@ -174,7 +192,11 @@ def test_a_crash_looping_build_gives_way_after_max_boots_and_is_reported_rolled_
             assert proc.wait(60) == 1
         proc = _start(cfg, slots, log)  # the launcher gives up on it: the base install runs
         st = _wait_status(
-            api, proc, lambda s: (s["ota"].get("last") or {}).get("result") == "rolled_back", 60
+            api,
+            proc,
+            lambda s: (s["ota"].get("last") or {}).get("result") == "rolled_back",
+            60,
+            log,
         )
         assert "did not become healthy" in st["ota"]["last"]["reason"]
         assert "agent" not in st["ota"]["active"]
@@ -182,6 +204,43 @@ def test_a_crash_looping_build_gives_way_after_max_boots_and_is_reported_rolled_
         assert state.active is None
         assert state.last_event is not None
         assert state.last_event.kind == "fell_back_to_base"
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_a_build_that_fails_its_probation_restarts_the_agent_into_the_base_install(
+    tmp_path: Path,
+    real_wheel: Path,
+) -> None:
+    signer = Signer()
+    cfg, api, slots = _config(tmp_path, signer)
+    wheel = variant(real_wheel, tmp_path / "edgefleet-0.1.3-py3-none-any.whl", version="0.1.3")
+    # A reasoning P99 of 1 µs: no build keeps it, so the probation fails once scored.
+    bundle = _agent_bundle(signer, tmp_path, wheel, "0.1.3", 1, p99_us=1)
+    log = tmp_path / "agent.log"
+    proc = _start(cfg, slots, log)
+    try:
+        _wait_status(api, proc, lambda s: s["windows"] >= 2, 60, log)
+        code, outcome = _install(api, bundle)
+        assert (code, outcome["result"]) == (202, "restart"), outcome
+        assert proc.wait(30) == 3, log.read_text()[-3000:]
+        proc = _start(cfg, slots, log)  # the new build; its probation fails
+        # The agent restarts itself ("restart me" for systemd) to go back to the base.
+        assert proc.wait(60) == 3, log.read_text()[-3000:]
+        assert Slots(slots).load().active is None
+        proc = _start(cfg, slots, log)
+        st = _wait_status(
+            api,
+            proc,
+            lambda s: (s["ota"].get("last") or {}).get("result") == "rolled_back",
+            60,
+            log,
+        )
+        assert "reasoning P99" in st["ota"]["last"]["reason"], st["ota"]["last"]
+        assert "agent" not in st["ota"]["active"]
+        assert st["ota"]["state"] == "idle"
+        assert "rolling back to base" in log.read_text()
     finally:
         proc.terminate()
         proc.wait(20)

@@ -342,6 +342,22 @@ def test_breaker_trips_after_n_overruns_and_recovers_after_m() -> None:
     assert b.recoveries == 1
 
 
+def test_overruns_while_the_agent_warms_up_are_counted_but_never_trip_the_breaker() -> None:
+    b = Breaker(BreakerSpec(budget_us=100, trip_after=3, recover_after=2))
+    for _ in range(5):  # the start-up's slow windows: five overruns in a row
+        assert b.record(40_000, warming=True) == "full"
+    snap = b.snapshot()
+    assert (snap["state"], snap["trips"], snap["overruns"], snap["excused"]) == ("closed", 0, 5, 5)
+    # Warm: the streak starts from nothing, and three overruns in a row trip it.
+    assert [b.record(150) for _ in range(3)] == ["full", "full", "every_k"]
+    assert (b.trips, b.overruns, b.excused) == (1, 8, 5)
+    # Open, an excused overrun does not restart the count of in-budget runs either.
+    b.record(50)
+    b.record(500, warming=True)
+    b.record(50)
+    assert b.mode == "full"
+
+
 def test_breaker_rules_only_probes() -> None:
     b = Breaker(BreakerSpec(budget_us=100, trip_after=1, recover_after=1, mode="rules_only"))
     assert b.record(500) == "rules_only"
