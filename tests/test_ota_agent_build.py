@@ -15,6 +15,8 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ import pytest
 
 from firmware.slots import Slots
 from tests.support.agent import EXAMPLES, example_text
-from tests.support.firmware import crashing_cli, variant
+from tests.support.firmware import crashing_cli, marker_cli, variant
 from tests.support.ota import Signer
 from tests.support.ports import free_port
 
@@ -132,36 +134,74 @@ def _compiled_kernels(slot: Path) -> list[Path]:
     return sorted((slot / "models" / "__pycache__").glob("kernels.*.nbi"))
 
 
-def test_a_new_agent_build_installs_restarts_into_its_slot_and_commits(
-    tmp_path: Path,
+@dataclass(frozen=True)
+class Installed:
+    """An agent that took a build and exited for systemd to restart it into its slot."""
+
+    cfg: Path
+    api: int
+    slots: Path
+    log: Path
+
+    def start(self) -> subprocess.Popen[bytes]:
+        return _start(self.cfg, self.slots, self.log)
+
+    def wait_last(self, proc: subprocess.Popen[bytes], result: str, timeout: float) -> Any:
+        """The status once the last OTA outcome is ``result``."""
+        return _wait_status(
+            self.api,
+            proc,
+            lambda s: (s["ota"].get("last") or {}).get("result") == result,
+            timeout,
+            self.log,
+        )
+
+
+def _install_build(
+    tmp: Path,
     real_wheel: Path,
-) -> None:
+    version: str,
+    cli: Callable[[str], str] = marker_cli,
+    **limits: int,
+) -> Installed:
+    """Start the base install, hand it a signed build of ``version`` (``cli`` rewrites the
+    build's CLI module) and wait for its "restart me" exit (3, for systemd)."""
     signer = Signer()
-    cfg, api, slots = _config(tmp_path, signer)
-    wheel = variant(real_wheel, tmp_path / "edgefleet-0.1.1-py3-none-any.whl", version="0.1.1")
-    bundle = _agent_bundle(signer, tmp_path, wheel, "0.1.1", 1)
-    log = tmp_path / "agent.log"
+    cfg, api, slots = _config(tmp, signer)
+    out = tmp / f"edgefleet-{version}-py3-none-any.whl"
+    wheel = variant(real_wheel, out, version=version, cli=cli)
+    bundle = _agent_bundle(signer, tmp, wheel, version, 1, **limits)
+    log = tmp / "agent.log"
     proc = _start(cfg, slots, log)
     try:
         _wait_status(api, proc, lambda s: s["windows"] >= 2, 60, log)
         code, outcome = _install(api, bundle)
-        assert code == 202, outcome
-        assert outcome["result"] == "restart"
-        assert proc.wait(30) == 3, log.read_text()[-3000:]  # "restart me", for systemd
-        state = Slots(slots).load()
-        assert state.active is not None
-        assert state.slot(state.active).status == "trying"
-        # Its kernels were compiled at install: its first start loads them like any other.
-        assert _compiled_kernels(slots / state.active), list((slots / state.active).iterdir())
-        # systemd starts it again: the launcher runs the new slot; its probation commits.
-        proc = _start(cfg, slots, log)
-        st = _wait_status(
-            api, proc, lambda s: (s["ota"].get("last") or {}).get("result") == "committed", 90, log
-        )
+        assert (code, outcome["result"]) == (202, "restart"), outcome
+        assert proc.wait(30) == 3, log.read_text()[-3000:]
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    return Installed(cfg, api, slots, log)
+
+
+def test_a_new_agent_build_installs_restarts_into_its_slot_and_commits(
+    tmp_path: Path,
+    real_wheel: Path,
+) -> None:
+    it = _install_build(tmp_path, real_wheel, "0.1.1")
+    state = Slots(it.slots).load()
+    assert state.active is not None
+    assert state.slot(state.active).status == "trying"
+    # Its kernels were compiled at install: its first start loads them like any other.
+    assert _compiled_kernels(it.slots / state.active), list((it.slots / state.active).iterdir())
+    # systemd starts it again: the launcher runs the new slot; its probation commits.
+    proc = it.start()
+    try:
+        st = it.wait_last(proc, "committed", 90)
         assert st["ota"]["active"]["agent"]["version"] == "0.1.1"
         assert st["ota"]["state"] == "idle"
         assert st["ota"]["floors"] == {"agent": 1}
-        state = Slots(slots).load()
+        state = Slots(it.slots).load()
         assert state.active is not None
         assert state.slot(state.active).status == "good"
         assert state.slot(state.active).version == "0.1.1"
@@ -174,33 +214,16 @@ def test_a_crash_looping_build_gives_way_after_max_boots_and_is_reported_rolled_
     tmp_path: Path,
     real_wheel: Path,
 ) -> None:
-    signer = Signer()
-    cfg, api, slots = _config(tmp_path, signer)
-    wheel = variant(real_wheel, tmp_path / "edgefleet-0.1.2-py3-none-any.whl", version="0.1.2",
-                    cli=crashing_cli)  # fmt: skip
-    bundle = _agent_bundle(signer, tmp_path, wheel, "0.1.2", 1)
-    log = tmp_path / "agent.log"
-    proc = _start(cfg, slots, log)
+    it = _install_build(tmp_path, real_wheel, "0.1.2", cli=crashing_cli)
+    # systemd's Restart=on-failure: the new build dies at once, boot after boot.
+    for _ in range(Slots(it.slots).max_boots):
+        assert it.start().wait(60) == 1
+    proc = it.start()  # the launcher gives up on it: the base install runs
     try:
-        _wait_status(api, proc, lambda s: s["windows"] >= 2, 60, log)
-        code, _ = _install(api, bundle)
-        assert code == 202
-        assert proc.wait(30) == 3
-        # systemd's Restart=on-failure: the new build dies at once, boot after boot.
-        for _ in range(Slots(slots).max_boots):
-            proc = _start(cfg, slots, log)
-            assert proc.wait(60) == 1
-        proc = _start(cfg, slots, log)  # the launcher gives up on it: the base install runs
-        st = _wait_status(
-            api,
-            proc,
-            lambda s: (s["ota"].get("last") or {}).get("result") == "rolled_back",
-            60,
-            log,
-        )
+        st = it.wait_last(proc, "rolled_back", 60)
         assert "did not become healthy" in st["ota"]["last"]["reason"]
         assert "agent" not in st["ota"]["active"]
-        state = Slots(slots).load()
+        state = Slots(it.slots).load()
         assert state.active is None
         assert state.last_event is not None
         assert state.last_event.kind == "fell_back_to_base"
@@ -213,34 +236,19 @@ def test_a_build_that_fails_its_probation_restarts_the_agent_into_the_base_insta
     tmp_path: Path,
     real_wheel: Path,
 ) -> None:
-    signer = Signer()
-    cfg, api, slots = _config(tmp_path, signer)
-    wheel = variant(real_wheel, tmp_path / "edgefleet-0.1.3-py3-none-any.whl", version="0.1.3")
     # A reasoning P99 of 1 µs: no build keeps it, so the probation fails once scored.
-    bundle = _agent_bundle(signer, tmp_path, wheel, "0.1.3", 1, p99_us=1)
-    log = tmp_path / "agent.log"
-    proc = _start(cfg, slots, log)
+    it = _install_build(tmp_path, real_wheel, "0.1.3", p99_us=1)
+    # The new build: its probation fails and the agent restarts itself ("restart me")
+    # to go back to the base install.
+    assert it.start().wait(60) == 3, it.log.read_text()[-3000:]
+    assert Slots(it.slots).load().active is None
+    proc = it.start()
     try:
-        _wait_status(api, proc, lambda s: s["windows"] >= 2, 60, log)
-        code, outcome = _install(api, bundle)
-        assert (code, outcome["result"]) == (202, "restart"), outcome
-        assert proc.wait(30) == 3, log.read_text()[-3000:]
-        proc = _start(cfg, slots, log)  # the new build; its probation fails
-        # The agent restarts itself ("restart me" for systemd) to go back to the base.
-        assert proc.wait(60) == 3, log.read_text()[-3000:]
-        assert Slots(slots).load().active is None
-        proc = _start(cfg, slots, log)
-        st = _wait_status(
-            api,
-            proc,
-            lambda s: (s["ota"].get("last") or {}).get("result") == "rolled_back",
-            60,
-            log,
-        )
+        st = it.wait_last(proc, "rolled_back", 60)
         assert "reasoning P99" in st["ota"]["last"]["reason"], st["ota"]["last"]
         assert "agent" not in st["ota"]["active"]
         assert st["ota"]["state"] == "idle"
-        assert "rolling back to base" in log.read_text()
+        assert "rolling back to base" in it.log.read_text()
     finally:
         proc.terminate()
         proc.wait(20)
