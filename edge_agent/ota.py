@@ -319,7 +319,10 @@ class AgentOta:
                 why = precompile_slot(slots.slot_dir(slot))
                 if why:
                     log.warning(
-                        "ota: agent %s compiles its kernels at start: %s", target.version, why
+                        "ota: agent %s: kernels not compiled at install (%s); it compiles "
+                        "them at its start if it can",
+                        target.version,
+                        why,
                     )
             slots.activate(slot)
         finally:

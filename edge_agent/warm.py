@@ -178,7 +178,7 @@ def precompile_slot(slot_dir: Path, timeout_s: float = PRECOMPILE_TIMEOUT_S) -> 
             cwd=slot_dir,
         )
     except subprocess.TimeoutExpired:
-        return f"the compile took over {timeout_s:.0f} s"
+        return f"the compile took over {timeout_s:g} s"
     except OSError as exc:
         return f"cannot start {sys.executable}: {exc.strerror or exc}"
     if done.returncode == 0:

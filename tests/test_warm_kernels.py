@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ from drivers.sim.plant import parse_anomaly
 from edge_agent.reasoning import ReasoningStage
 from edge_agent.rules import RuleSet
 from edge_agent.simwindows import plant_windows
-from edge_agent.warm import check_windows, disagreement, in_thread, load_kernels
+from edge_agent.warm import check_windows, disagreement, in_thread, load_kernels, precompile_slot
 from models import load_model
 from models.input_stats import STAT_NAMES
 from models.kernels import Kernels, kernels
@@ -176,3 +177,12 @@ def test_a_load_thread_hands_back_its_value_and_its_error() -> None:
     value, error = asyncio.run(both())
     assert value == 42
     assert "invalid literal" in error
+
+
+def test_a_slot_whose_kernels_cannot_compile_says_why_in_one_line(tmp_path: Path) -> None:
+    # The slot's own models package comes first on the child's path, as at its boot.
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "__init__.py").write_text("")
+    (tmp_path / "models" / "kernels.py").write_text("raise ImportError('no kernels in 0.9')\n")
+    assert precompile_slot(tmp_path) == "ImportError: no kernels in 0.9"
+    assert precompile_slot(tmp_path, timeout_s=0.001) == "the compile took over 0.001 s"
