@@ -104,6 +104,10 @@ class SimAgent(Agent):
         return {s.name: True for s in self.sources}
 
     async def run(self, stop: asyncio.Event) -> RunReport:
+        # No start-up to wait out: the windows are simulated, the stage is as built.
+        if self.stage is not None:
+            self.stage.warming = False
+        self.settled.set()
         if self.ota is not None:
             await self.ota.start()
         async with asyncio.TaskGroup() as tg:

@@ -436,11 +436,19 @@ class Updater:
         probation judges the version as it runs, not the start-up of the process an agent
         build restarted into (its first windows share the CPU with loading the compiled
         kernels, and at a few windows a second that start-up is much of a short
-        probation)."""
+        probation). A rollback asked for meanwhile ends the wait at once."""
+        waits = [
+            asyncio.ensure_future(self.activator.settled()),
+            asyncio.ensure_future(self._abort.wait()),
+        ]
         try:
-            async with asyncio.timeout(max(1, limits.seconds)):
-                await self.activator.settled()
-        except TimeoutError:
+            done, _ = await asyncio.wait(
+                waits, timeout=max(1, limits.seconds), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for w in waits:
+                w.cancel()
+        if not done:
             log.info(
                 "ota: the agent is still starting up after %d s; probation starts", limits.seconds
             )

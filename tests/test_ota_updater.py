@@ -235,6 +235,38 @@ def test_a_manual_rollback_whose_kept_version_is_damaged_records_the_factory_mod
     assert up.status()["active"] == {}
 
 
+def test_a_rollback_asked_while_the_probation_waits_for_the_agent_to_settle_acts_at_once(
+    tmp_path: Path,
+) -> None:
+    signer = Signer()
+    cfg, _, _ = ota_config(tmp_path, signer)
+    agent = build_agent(cfg)  # built, never run: it never settles
+    assert agent.ota is not None
+    assert agent.stage is not None
+    factory = agent.stage.model.sha256
+    up = agent.ota.updater
+    # A probation of 60 s: the wait for the agent to settle could last that long.
+    members, new_sha = model_members(tmp_path, "v2")
+    bundle = signer.bundle(tmp_path / "v2.efb", members, probation={"seconds": 60})
+
+    async def main() -> tuple[str, float]:
+        install = asyncio.create_task(up.install_file(bundle))
+        await until(lambda: up.journal.state == "probation", 30)
+        assert agent.stage is not None
+        assert agent.stage.model.sha256 == new_sha
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await up.rollback("model")
+        out = await asyncio.wait_for(install, 30)
+        return out.result, loop.time() - t0
+
+    result, took = asyncio.run(main())
+    assert result == "rolled_back"
+    assert took < 5, f"the rollback waited {took:.1f} s for the settle"
+    assert agent.stage.model.sha256 == factory
+    assert not agent.settled.is_set()
+
+
 # -- the anti-rollback floors survive a damaged journal ---------------------------------------
 
 
