@@ -215,7 +215,8 @@ class Agent(AgentReporting):
             return None
 
     def request_restart(self, why: str) -> None:
-        """Stop as on SIGTERM, then have the CLI exit with :data:`EXIT_RESTART`."""
+        """Stop as on SIGTERM, then have the CLI exit with :data:`EXIT_RESTART`. On the
+        event loop: the stop is a timer there (a worker thread returns what to restart)."""
         self.restart_requested = why
         log.warning("restart requested: %s", why)
         if self._stop is not None:

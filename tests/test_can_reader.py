@@ -37,6 +37,12 @@ def virtual_spec(channel: str, **kw: Any) -> CanSpec:
     )
 
 
+def engine_frame(timestamp: float = 0.0) -> can.Message:
+    """The 0x100 ENGINE frame, stamped ``timestamp`` (a bus with ``preserve_timestamps``
+    delivers it as the receive stamp)."""
+    return can.Message(arbitration_id=0x100, data=ENGINE, is_extended_id=False, timestamp=timestamp)
+
+
 def stat(source: CanSource, key: str) -> int:
     return int(source.stats()[key])
 
@@ -130,11 +136,7 @@ def test_the_bus_stamp_is_kept_when_on_the_wall_clock_else_replaced_on_arrival()
             before = time.time_ns()
             received_at = (before - 300_000_000) / 1e9  # the kernel took it 300 ms ago
             for stamp in (received_at, 12.5, (before + 5_000_000_000) / 1e9, received_at):
-                tx.send(
-                    can.Message(
-                        arbitration_id=0x100, data=ENGINE, is_extended_id=False, timestamp=stamp
-                    )
-                )
+                tx.send(engine_frame(stamp))
             await wait_until(lambda: len(sink) == 16, 5, "16 samples")
             after = time.time_ns()
         samples = sink.drain()
@@ -164,13 +166,7 @@ def test_a_stream_is_read_in_bursts_and_a_quiet_bus_in_recv_without_losing_a_fra
                 for _ in range(count):
                     t_ns = time.time_ns()
                     sent.append(t_ns)
-                    frame = can.Message(
-                        arbitration_id=0x100,
-                        data=ENGINE,
-                        is_extended_id=False,
-                        timestamp=t_ns / 1e9,
-                    )
-                    tx.send(frame)
+                    tx.send(engine_frame(t_ns / 1e9))
                     await asyncio.sleep(0.001)
                 await asyncio.sleep(0.15)
             await wait_until(lambda: len(sink) == 4 * len(sent), 5, "every frame's samples")
@@ -285,7 +281,7 @@ def test_reconnects_after_the_bus_vanishes() -> None:
         sink = SampleBuffer(1000)
         task = asyncio.create_task(source.run(sink))
         with can.Bus(interface="virtual", channel=adapter.channel) as tx:
-            frame = can.Message(arbitration_id=0x100, data=ENGINE, is_extended_id=False)
+            frame = engine_frame()
             await wait_until(lambda: source.stats()["state"] == "open", 5, "bus open")
             tx.send(frame)
             await wait_until(lambda: len(sink) == 4, 5, "samples before the fault")
