@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import random
+import socket
 import time
 import tty
 from collections.abc import AsyncIterator
@@ -125,16 +126,64 @@ def test_a_reply_of_another_function_is_an_error_not_data() -> None:
     asyncio.run(main())
 
 
-def test_connection_lost_mid_request_is_a_connection_error_not_a_timeout() -> None:
+def test_connection_lost_mid_request_is_a_connection_error_at_once() -> None:
+    """Not a timeout, and not after one: pymodbus alone leaves the request waiting."""
+
     async def main() -> None:
         peer = await start_peer({1: device()})
-        async with ModbusClient(_spec(peer.port, timeout_ms=300)) as client:
+        async with ModbusClient(_spec(peer.port, timeout_ms=5000)) as client:
             pending = asyncio.create_task(client.read("holding", 9, 0, 1))  # silent unit
             await wait_until(lambda: peer.requests[9] == 1)
+            t0 = time.monotonic()
             await peer.stop()  # drops the connection while the request waits
-            with pytest.raises(ModbusConnectionError):
+            with pytest.raises(ModbusConnectionError, match="lost"):
                 await pending
+            assert time.monotonic() - t0 < 2.0
             assert not client.connected
+
+    asyncio.run(main())
+
+
+def test_every_read_gets_its_whole_timeout() -> None:
+    """The timeout is kept by one watchdog per port rather than a timer per request: a
+    silent unit asked after a run of answered reads still waits its full timeout from its
+    own start, not from when the watchdog was first armed."""
+
+    async def main() -> None:
+        async with (
+            running_peer({1: device()}) as peer,
+            ModbusClient(_spec(peer.port, timeout_ms=300)) as client,
+        ):
+            first = time.monotonic()
+            while time.monotonic() - first < 0.25:  # the watchdog's first deadline nears
+                assert await client.read("holding", 1, 0, 1) == [0]
+            for _ in range(2):
+                t0 = time.monotonic()
+                with pytest.raises(ModbusTimeout):
+                    await client.read("holding", 7, 0, 1)
+                assert 0.29 <= time.monotonic() - t0 < 0.8
+            assert await client.read("holding", 1, 0, 1) == [0]  # answered reads go on
+
+    asyncio.run(main())
+
+
+def test_a_port_that_never_accepts_is_a_connect_timeout() -> None:
+    """A listener whose backlog is full drops the handshake: the connect is bounded by the
+    spec's timeout and says so."""
+
+    async def main() -> None:
+        with contextlib.ExitStack() as stack:
+            listener = stack.enter_context(socket.socket())
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(0)
+            port = listener.getsockname()[1]
+            filler = stack.enter_context(socket.create_connection(("127.0.0.1", port)))
+            assert filler.fileno() >= 0
+            async with ModbusClient(_spec(port, timeout_ms=200)) as client:
+                t0 = time.monotonic()
+                with pytest.raises(ModbusConnectionError, match="no answer within 200 ms"):
+                    await client.read("holding", 1, 0, 1)
+                assert 0.19 <= time.monotonic() - t0 < 1.5
 
     asyncio.run(main())
 

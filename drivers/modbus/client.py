@@ -9,6 +9,7 @@ call, :meth:`ModbusClient.read`, and one error tree, :mod:`drivers.errors`.
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, Self
@@ -71,8 +72,15 @@ class ModbusClient:
 
     Behaviour of pymodbus 3.11.4 this adapter relies on (re-check when the pin moves):
 
-    * A request times out after ``timeout`` (the same value bounds the connect) and is retried
-      ``retries`` times; we use ``retries=0`` because the poller owns retry policy (backoff).
+    * ``execute`` awaits each reply with ``asyncio.wait_for(response_future, timeout)``. With a
+      timeout that is one timer per request, cancelled when the reply comes, plus one more
+      loop iteration to pass the reply on: on a fast port that doubled the CPU a read costs
+      (bench.modbus_poll). So we build the client with ``timeout=None`` and keep the time
+      ourselves: one watchdog timer per port, re-armed at most once per timeout, fails a
+      late request's ``response_future`` with ``TimeoutError``, which ``execute`` treats as
+      its own timeout. The connect is bounded by wrapping ``ctx.call_create``.
+    * A request that timed out is retried ``retries`` times; we use ``retries=0`` because the
+      poller owns retry policy (backoff).
     * A timeout is *raised* as ``ModbusIOException("No response received ...")``; an exception
       reply is *returned* as an ``ExceptionResponse`` with ``isError()`` true.
     * ``TransactionManager.execute`` turns the ``CancelledError`` of its waiting task into
@@ -84,11 +92,11 @@ class ModbusClient:
     * On Python 3.11, ``asyncio.wait_for`` inside ``execute`` returns a reply that arrived in
       the same loop iteration as a cancellation and swallows the ``CancelledError``; we check
       ``Task.cancelling()`` after every reply and raise it again.
-    * A connection lost mid-request is not reported to the waiting request; it runs into its
-      timeout. We notice the disconnect (``trace_connect``) and report a connection error.
-    * ``connect()`` logs why a connect failed and returns ``False``. We wrap its transport's
-      ``call_create`` to keep the ``OSError``/timeout, so the error says "connection refused"
-      or "no route to host" rather than only "cannot connect".
+    * A connection lost mid-request is not reported to the waiting request. We notice the
+      disconnect (``trace_connect``), fail the request at once and report a connection error.
+    * ``connect()`` logs why a connect failed and returns ``False``. Our wrapper of its
+      transport's ``call_create`` keeps the ``OSError``/timeout, so the error says
+      "connection refused" or "no route to host" rather than only "cannot connect".
     """
 
     def __init__(self, spec: ModbusSpec) -> None:
@@ -99,6 +107,11 @@ class ModbusClient:
         self._client: AsyncModbusTcpClient | AsyncModbusSerialClient | None = None
         self._calls: dict[RegisterFunction, _ReadCall] = {}
         self._connect_failure: BaseException | None = None
+        self._timeout = spec.timeout_ms / 1000.0
+        # Monotonic deadline of the read in flight (0.0: none) and the watchdog enforcing it.
+        self._deadline = 0.0
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         if spec.transport == "tcp":
             self._where = f"{spec.host}:{spec.port}"
         else:
@@ -106,9 +119,10 @@ class ModbusClient:
 
     async def __aenter__(self) -> Self:
         # pymodbus binds to the running loop in its constructor, so build it here.
+        self._loop = asyncio.get_running_loop()
         self._client = self._make_client()
         c = self._client
-        self._keep_connect_failures(c)
+        self._wrap_connect(c)
         self._calls = {
             "holding": c.read_holding_registers,
             "input": c.read_input_registers,
@@ -132,6 +146,9 @@ class ModbusClient:
 
     def close(self) -> None:
         """Close the connection; a later :meth:`read` opens it again."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self._client is not None:
             self._client.close()
 
@@ -168,12 +185,18 @@ class ModbusClient:
         if not client.connected:
             await self.connect()
         disconnects = self._disconnects
+        self._deadline = time.monotonic() + self._timeout
+        if self._watchdog is None:
+            self._watchdog = self._require_loop().call_later(self._timeout, self._expire)
         try:
             reply = await self._calls[function](address, count=count, device_id=unit)
         except (ModbusException, ValueError) as exc:
             # ValueError: pymodbus validates count/address/device id while encoding.
             raise self._map_failure(exc, unit, address, disconnects) from exc
-        task = asyncio.current_task()
+        finally:
+            self._deadline = 0.0
+        # With the loop given, current_task skips get_running_loop (a getpid() per call).
+        task = asyncio.current_task(self._loop)
         if task is not None and task.cancelling():
             # Python 3.11's asyncio.wait_for (which pymodbus awaits the reply with) returns
             # the reply instead of raising when the reply and our cancellation land in the
@@ -254,26 +277,60 @@ class ModbusClient:
             )
         return ModbusError(f"unit {unit}: {text}", unit=unit, address=address)
 
-    def _keep_connect_failures(
-        self, client: AsyncModbusTcpClient | AsyncModbusSerialClient
-    ) -> None:
+    def _wrap_connect(self, client: AsyncModbusTcpClient | AsyncModbusSerialClient) -> None:
+        """Bound the transport's connect by our timeout and keep why it failed."""
         ctx = getattr(client, "ctx", None)
         create = getattr(ctx, "call_create", None)
-        if ctx is None or create is None:  # another pymodbus: the message stays shorter
-            return
+        if ctx is None or create is None or not hasattr(ctx, "response_future"):
+            raise RuntimeError(
+                "this pymodbus has no ctx.call_create / ctx.response_future: "
+                "drivers/modbus/client.py needs updating for it"
+            )
+        timeout = self._timeout
 
         async def call_create() -> Any:
             try:
-                return await create()
+                async with asyncio.timeout(timeout):
+                    return await create()
             except (OSError, TimeoutError) as exc:
                 self._connect_failure = exc
                 raise
 
         ctx.call_create = call_create
 
+    def _expire(self) -> None:
+        """Watchdog: fail the read in flight once its deadline has passed.
+
+        Reads re-arm nothing while the watchdog is pending; when it fires early (the read it
+        was armed for ended, another is in flight) it waits for that read's deadline.
+        """
+        self._watchdog = None
+        if not self._deadline:
+            return  # idle: the next read arms it again
+        left = self._deadline - time.monotonic()
+        if left > 0:
+            self._watchdog = self._require_loop().call_later(left, self._expire)
+            return
+        self._fail_in_flight()
+
+    def _fail_in_flight(self) -> None:
+        """End the request pymodbus waits on as unanswered (execute's own timeout path)."""
+        if not self._deadline or self._client is None:
+            return
+        future: asyncio.Future[Any] = self._client.ctx.response_future
+        if not future.done():
+            future.set_exception(TimeoutError())
+
     def _on_connect(self, connected: bool) -> None:
         if not connected:
             self._disconnects += 1
+            # pymodbus leaves a request on a lost connection waiting for its timeout.
+            self._fail_in_flight()
+
+    def _require_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("ModbusClient is used outside 'async with'")
+        return self._loop
 
     def _require_client(self) -> AsyncModbusTcpClient | AsyncModbusSerialClient:
         if self._client is None:
@@ -282,7 +339,9 @@ class ModbusClient:
 
     def _make_client(self) -> AsyncModbusTcpClient | AsyncModbusSerialClient:
         spec = self.spec
-        timeout = spec.timeout_ms / 1000.0
+        # No timeout: pymodbus would arm a timer per request (see the class docstring);
+        # _wrap_connect bounds the connect and the watchdog each request.
+        timeout: Any = None
         if spec.transport == "tcp":
             return AsyncModbusTcpClient(
                 spec.host,

@@ -13,7 +13,8 @@ import heapq
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
+from itertools import repeat
 
 from drivers.backoff import backoff_delay
 from drivers.buffer import SampleBuffer
@@ -24,7 +25,7 @@ from drivers.errors import (
     ModbusTimeout,
 )
 from drivers.modbus.client import ModbusClient
-from drivers.modbus.codec import decoder
+from drivers.modbus.codec import block_decoder
 from drivers.modbus.plan import ReadBlock, plan_blocks, split_block
 from drivers.sample import Sample, new_sample
 from drivers.specs import ModbusSpec
@@ -63,21 +64,32 @@ class _UnitState:
 class _BlockState:
     """A block plus what the hot path needs, precomputed."""
 
-    __slots__ = ("block", "exc_code", "filtered", "items", "last", "last_t", "period", "unit")
+    __slots__ = (
+        "block",
+        "deadbands",
+        "decode",
+        "exc_code",
+        "filtered",
+        "last",
+        "last_t",
+        "names",
+        "period",
+        "unit",
+    )
 
     def __init__(self, block: ReadBlock, unit: _UnitState) -> None:
         self.block = block
         self.unit = unit
         self.period = block.poll_ms / 1000.0
-        # (offset, compiled decoder, signal name, deadband) per value.
-        self.items: list[tuple[int, Callable[[Sequence[int], int], float], str, float]] = [
-            (e.offset, decoder(e.spec), e.spec.name, e.spec.deadband) for e in block.entries
-        ]
+        # Every value of the block from its registers, in entry order, in one call.
+        self.decode = block_decoder([(e.offset, e.spec) for e in block.entries])
+        self.names = tuple(e.spec.name for e in block.entries)
+        self.deadbands = tuple(e.spec.deadband for e in block.entries)
         # Whether any value has a deadband; blocks without one take the plain fast path.
-        self.filtered = any(e.spec.deadband for e in block.entries)
+        self.filtered = any(self.deadbands)
         # Last emitted value and its monotonic time, per value (deadband / heartbeat).
-        self.last: list[float | None] = [None] * len(self.items)
-        self.last_t: list[float] = [0.0] * len(self.items)
+        self.last: list[float | None] = [None] * len(self.names)
+        self.last_t: list[float] = [0.0] * len(self.names)
         self.exc_code = 0  # last exception code answered for this block, 0 = none
 
 
@@ -268,18 +280,20 @@ class ModbusSource:
     def _emit(
         self, st: _BlockState, values: list[int] | list[bool], t_ns: int, sink: SampleBuffer
     ) -> None:
+        names = st.names
+        n = len(names)
         if not st.filtered:
-            out = [
-                new_sample(Sample, (name, decode(values, off), t_ns))
-                for off, decode, name, _ in st.items
-            ]
+            # map/zip keep the per-value work in C: this runs for every read of every block.
+            rows = zip(names, st.decode(values), repeat(t_ns, n), strict=True)
+            out = list(map(new_sample, repeat(Sample, n), rows))
         else:
             out = []
             last, last_t = st.last, st.last_t
             mono = time.monotonic()
             heartbeat = self._heartbeat_s
-            for i, (off, decode, name, deadband) in enumerate(st.items):
-                value = decode(values, off)
+            for i, (name, value, deadband) in enumerate(
+                zip(names, st.decode(values), st.deadbands, strict=True)
+            ):
                 if deadband:
                     prev = last[i]
                     # NaN never compares within the deadband, so it is always emitted.
