@@ -530,6 +530,9 @@ class Agent(AgentReporting):
             return
         window = item.window
         d = stage.process(window, self.clock_ns(), item.perception_ms, item.memory_ms)
+        # The decision exists once process returns: the window's latency runs to here (its
+        # t_ns, the instant it is about, is when reasoning took the window up).
+        decided_ns = self.clock_ns()
         if d.notices:
             report_notices(d, self.memory, self.uplink)
         if self.memory is not None:
@@ -541,10 +544,10 @@ class Agent(AgentReporting):
         # End to end: from the instant the window could close (its last grid point plus
         # the lateness allowance) to its decision.
         due_ns = window.end_ns + self._lateness_ns
-        e2e_ns = d.t_ns - due_ns
+        e2e_ns = decided_ns - due_ns
         self.e2e_us.append(e2e_ns / 1000.0)
         if self.trace is not None:
-            self.trace.decided(window.seq, due_ns, d.t_ns)
+            self.trace.decided(window.seq, due_ns, decided_ns)
         self.metrics.observe_decision(d.stage_latency_ms, e2e_ns / 1e9, d.label)
         mode = stage.breaker.mode  # the mode for the next window
         if mode != self._mode:

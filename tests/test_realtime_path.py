@@ -102,6 +102,38 @@ def test_with_the_gate_closed_the_backlog_waits_for_the_next_opening() -> None:
     assert len(agent.memory_queue) == 7
 
 
+def test_a_windows_latency_runs_to_its_decision_not_to_when_reasoning_took_it_up() -> None:
+    """The e2e latency (status, metrics, trace) ends when the decision exists: a reasoning
+    stage that takes 6 ms by the agent's clock adds those 6 ms (before, it added nothing:
+    the latency stopped at the decision's t_ns, taken before the stage ran)."""
+    cfg = parse_config(example_text(), base_dir=ROOT / "examples")
+    start = 1_800_000_000 * 10**9
+    clock = Clock(start)
+    agent = build_agent(cfg, clock_ns=clock)
+    assert agent.stage is not None
+
+    def reasoning_takes_3_ms_a_look() -> int:  # the stage reads its timer twice
+        clock.t_ns += 3_000_000
+        return clock.t_ns
+
+    agent.stage.timer = reasoning_takes_3_ms_a_look
+    lateness = round(cfg.perception.lateness_ms * 1e6)
+    agent.buffer.put_many(_samples(list(cfg.perception.signals), start, 64))
+    due = start + 63 * STEP_NS + lateness
+    clock.t_ns = opened = due + 1_000
+
+    async def one_opening() -> None:
+        assert agent.memory is not None
+        async with agent.memory:
+            agent._gate_perception(opened + 60_000_000)
+            agent._gate_memory(opened + 60_000_000)
+            agent._gate_reasoning(opened + 60_000_000)
+
+    asyncio.run(one_opening())
+    assert agent.report.decisions == 1
+    assert list(agent.e2e_us) == [pytest.approx((opened + 6_000_000 - due) / 1000.0)]
+
+
 # -- edge-agent run --trace ---------------------------------------------------------------------
 
 
