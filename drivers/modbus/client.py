@@ -74,11 +74,12 @@ class ModbusClient:
 
     * ``execute`` awaits each reply with ``asyncio.wait_for(response_future, timeout)``. With a
       timeout that is one timer per request, cancelled when the reply comes, plus one more
-      loop iteration to pass the reply on: on a fast port that doubled the CPU a read costs
-      (bench.modbus_poll). So we build the client with ``timeout=None`` and keep the time
-      ourselves: one watchdog timer per port, re-armed at most once per timeout, fails a
-      late request's ``response_future`` with ``TimeoutError``, which ``execute`` treats as
-      its own timeout. The connect is bounded by wrapping ``ctx.call_create``.
+      loop iteration to pass the reply on: a quarter of the instructions a read costs
+      (bench.modbus_poll, docs/ARCHITECTURE.md). So we build the client with
+      ``timeout=None`` and keep the time ourselves: one watchdog timer per port, re-armed
+      at most once per timeout, fails a late request's ``response_future`` with
+      ``TimeoutError``, which ``execute`` treats as its own timeout. The connect is bounded
+      by wrapping ``ctx.call_create``.
     * A request that timed out is retried ``retries`` times; we use ``retries=0`` because the
       poller owns retry policy (backoff).
     * A timeout is *raised* as ``ModbusIOException("No response received ...")``; an exception

@@ -189,8 +189,8 @@ def block_decoder(
 
     ``list(block_decoder(entries)(registers))`` equals ``[decoder(spec)(registers, offset)
     for offset, spec in entries]`` (``-0.0`` may come out as ``0.0`` where it is scaled,
-    as :func:`decode` gives it). A poll of a typical map spends more time decoding
-    than reading, so the common case is one struct round trip for the whole block: when
+    as :func:`decode` gives it). It runs for every read of every block, so the common
+    case is one struct round trip for the whole block: when
     every value is a number held in registers (no bits, no coils) and all of them agree on
     whether the bytes inside a word are swapped, the registers each value uses are picked
     in big-endian word order (a word-swapped value's words reversed), packed in one call
