@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 
 from fleet.cli import app
 from fleet.ingest import IngestConfig, IngestStats, serve
-from fleet.ingest.gapwatch import HOLD_MAX_S, GapWatch, gap_lines, horizon_after
+from fleet.ingest.gapwatch import HOLD_MAX_S, SHOWN_BOOTS, GapWatch, gap_lines, horizon_after
 from fleet.ingest.serve import ingest_horizon
 from fleet.store import Gap, Store
 from tests.support.fleet import (
@@ -211,6 +211,22 @@ def test_gap_lines_name_device_boot_and_ranges() -> None:
     assert "seqs 1..1, 3..3, 5..5, 7..7, 9..9 and 2 more ranges" in lines[1]
     assert "(7 messages;" in lines[1]
     assert "connected" not in gap_lines(gaps, 1, None)[0]
+
+
+def test_gap_lines_of_a_fleet_wide_outage_stay_readable() -> None:
+    """A broker outage leaves a gap in every device: the first SHOWN_BOOTS get their line,
+    the rest one line that counts them (before: 10,000 lines in bench.fleet_scale)."""
+    gaps = [Gap(f"gw-{i:05d}", "b" * 32, 10, 12) for i in range(10_000)]
+    gaps.append(Gap("gw-09999", "c" * 32, 1, 1))  # a second boot of the last device
+    lines = gap_lines(gaps, now_ns=100 * SEC, connected_ns=None)
+    assert len(lines) == SHOWN_BOOTS + 1
+    assert all(f"device gw-{i:05d} " in lines[i] for i in range(SHOWN_BOOTS))
+    assert lines[-1] == (
+        f"ingest gap: {10_001 - SHOWN_BOOTS} more boots of {10_000 - SHOWN_BOOTS} devices "
+        f"have seqs that never arrived ({3 * (10_000 - SHOWN_BOOTS) + 1} messages); "
+        "see fleet gaps"
+    )
+    assert len(gap_lines(gaps[:SHOWN_BOOTS], 1, None)) == SHOWN_BOOTS
 
 
 def _serve(url: str, broker: Mosquitto, client_id: str, log: Path) -> subprocess.Popen[str]:

@@ -18,6 +18,9 @@ from fleet.store import Gap
 _SEC = 1_000_000_000
 #: Ranges shown per (device, boot) in one log line; the rest are counted.
 SHOWN_RANGES = 5
+#: (device, boot) lines one audit logs; the rest share one summary line. A broker outage
+#: leaves a gap in every device at once: 10,000 lines would bury the log, not inform it.
+SHOWN_BOOTS = 20
 #: Longest an audit waits for the ingest's horizon beyond the grace.
 HOLD_MAX_S = 600.0
 #: A worker connected this long with nothing to store has caught up.
@@ -92,7 +95,8 @@ def horizon_after(
 
 
 def gap_lines(gaps: Sequence[Gap], now_ns: int, connected_ns: int | None) -> list[str]:
-    """One WARNING line per (device, boot): its missing seq ranges and how many seqs."""
+    """One WARNING line per (device, boot): its missing seq ranges and how many seqs; past
+    :data:`SHOWN_BOOTS` of them, one line that counts the rest (``fleet gaps`` lists all)."""
     by_boot: dict[tuple[str, str], list[Gap]] = {}
     for g in gaps:
         by_boot.setdefault((g.device, g.boot_id), []).append(g)
@@ -100,7 +104,7 @@ def gap_lines(gaps: Sequence[Gap], now_ns: int, connected_ns: int | None) -> lis
     if connected_ns is not None:
         since = f"; this worker (re)connected {(now_ns - connected_ns) / _SEC:.0f} s ago"
     lines = []
-    for (device, boot), found in by_boot.items():
+    for (device, boot), found in list(by_boot.items())[:SHOWN_BOOTS]:
         found.sort(key=lambda g: g.first_missing)
         missing = sum(g.last_missing - g.first_missing + 1 for g in found)
         ranges = ", ".join(f"{g.first_missing}..{g.last_missing}" for g in found[:SHOWN_RANGES])
@@ -110,5 +114,13 @@ def gap_lines(gaps: Sequence[Gap], now_ns: int, connected_ns: int | None) -> lis
             f"ingest gap: device {device} boot {boot} seqs {ranges} never arrived "
             f"({missing} messages; a broker drops what it cannot queue for the ingest"
             f"{since}); see fleet gaps"
+        )
+    rest = list(by_boot.values())[SHOWN_BOOTS:]
+    if rest:
+        devices = len({found[0].device for found in rest})
+        missing = sum(g.last_missing - g.first_missing + 1 for found in rest for g in found)
+        lines.append(
+            f"ingest gap: {len(rest)} more boots of {devices} devices have seqs that never "
+            f"arrived ({missing} messages{since}); see fleet gaps"
         )
     return lines
