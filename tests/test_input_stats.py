@@ -56,6 +56,26 @@ def test_window_stats_measure_levels_repeats_runs_and_changes() -> None:
     np.testing.assert_array_equal(batch[1], st)
 
 
+def test_the_longest_repeat_run_matches_a_step_by_step_count() -> None:
+    """window_stats counts runs without a Python step per row; the count must equal the
+    obvious one on windows and batches of random repeats, NaN holes and none at all."""
+    rng = np.random.default_rng(7)
+    for shape in [(WINDOW, 5), (3, WINDOW, 4), (2, 2, 3), (WINDOW, 1)]:
+        for p_hold in (0.0, 0.5, 0.9, 1.0):
+            x = rng.integers(0, 4, size=shape).astype(np.float32)
+            hold = rng.random(shape) < p_hold
+            for t in range(1, shape[-2]):  # a held point repeats the one before
+                x[..., t, :] = np.where(hold[..., t, :], x[..., t - 1, :], x[..., t, :])
+            x[rng.random(shape) < 0.05] = np.nan
+            same = x[..., 1:, :] == x[..., :-1, :]
+            want = np.zeros(same.shape[:-2] + same.shape[-1:])
+            cur = np.zeros_like(want)
+            for t in range(same.shape[-2]):
+                cur = np.where(same[..., t, :], cur + 1, 0)
+                want = np.maximum(want, cur)
+            np.testing.assert_array_equal(window_stats(x)[..., S_RUN], want)
+
+
 def test_the_committed_manifests_carry_statistics_and_still_load() -> None:
     """The statistics were added without retraining: the model files, their sha256 and
     every manifest check are untouched."""
