@@ -64,7 +64,25 @@
     s.style.width = total ? (100 * n / total).toFixed(1) + "%" : "0%";
     return s;
   }
-  async function refreshRollout() {
+  // One refresh at a time; an event during one asks for one more after it. Overlapping
+  // GETs can answer out of order, and the page would keep the older state until the next
+  // event, which may never come (the rollout finished).
+  let refreshing = null;
+  let again = false;
+  function refreshRollout() {
+    if (refreshing) {
+      again = true;
+      return refreshing;
+    }
+    refreshing = (async () => {
+      do {
+        again = false;
+        await renderRollout();
+      } while (again);
+    })().finally(() => { refreshing = null; });
+    return refreshing;
+  }
+  async function renderRollout() {
     const r = await api("GET", "/rollouts/" + encodeURIComponent(section.dataset.rollout));
     const state = document.getElementById("rollout-state");
     state.textContent = r.state;
