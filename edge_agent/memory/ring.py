@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -18,7 +18,6 @@ import numpy.typing as npt
 from edge_agent.perception import Window
 
 
-@runtime_checkable
 class JsonRecord(Protocol):
     """Anything with a ``to_json()`` dict, like reasoning's ``Decision``."""
 
